@@ -1,0 +1,82 @@
+"""Load one peft LoRA adapter directory into float32 CPU tensors with the scaling folded into B."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .base_model import check_base_model
+from .errors import AdapterError
+from .model_info import ModelInfo
+from .peft_config import ModulePlan, check_supported, plan_modules, read_adapter_config
+from .weights import group_lora_tensors, read_tensors
+
+
+@dataclass
+class LoRAModuleWeights:
+    """One module's adapter: delta(x) = (x @ lora_a.T) @ lora_b.T, scaling already in lora_b."""
+
+    lora_a: torch.Tensor  # [rank, in_features], float32, CPU
+    lora_b: torch.Tensor  # [out_features, rank], float32, CPU, scaled
+    rank: int
+    scaling: float
+
+
+@dataclass
+class LoadedAdapter:
+    """A validated adapter, keyed by full module name as in ModelInfo.module_shapes."""
+
+    path: str
+    config: dict
+    rank: int
+    target_modules: list[str]
+    modules: dict[str, LoRAModuleWeights]
+    nbytes: int
+
+
+def _module_weights(
+    module: str, plan: ModulePlan, sides: dict[str, torch.Tensor], shape: tuple[int, int]
+) -> LoRAModuleWeights:
+    missing = [f"lora_{side}" for side in "AB" if side not in sides]
+    if missing:
+        raise AdapterError(f"Adapter weights for {module} are missing {' and '.join(missing)}.")
+    out_features, in_features = shape
+    expected = {"A": (plan.rank, in_features), "B": (out_features, plan.rank)}
+    for side, want in expected.items():
+        got = tuple(sides[side].shape)
+        if got != want:
+            raise AdapterError(f"Adapter weight lora_{side} for {module} has shape {list(got)}; expected {list(want)}.")
+    lora_a = sides["A"].to(torch.float32).contiguous()
+    lora_b = (sides["B"].to(torch.float32) * plan.scaling).contiguous()
+    return LoRAModuleWeights(lora_a=lora_a, lora_b=lora_b, rank=plan.rank, scaling=plan.scaling)
+
+
+def load_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = False) -> LoadedAdapter:
+    """Validate the adapter in a local directory against the model and load its weights.
+
+    Our projections are nn.Linear, for which peft ignores fan_in_fan_out: A is [r, in] and B is
+    [out, r] either way, so the flag needs no transpose here.
+    """
+    directory = Path(path)
+    config = read_adapter_config(directory)
+    check_supported(config)
+    check_base_model(config, model, str(path))
+    plans = plan_modules(config, model)
+    grouped = group_lora_tensors(read_tensors(directory, allow_pickle=allow_pickle))
+    for module in grouped:
+        if module not in plans:
+            where = "is not targeted by adapter_config.json" if module in model.module_shapes else "has no LoRA path in this model"
+            raise AdapterError(f"Adapter weights include {module}, which {where}.")
+    modules = {
+        module: _module_weights(module, plan, grouped.get(module, {}), model.module_shapes[module])
+        for module, plan in plans.items()
+    }
+    return LoadedAdapter(
+        path=str(directory),
+        config=config,
+        rank=max(weights.rank for weights in modules.values()),
+        target_modules=sorted({module.rsplit(".", 1)[-1] for module in modules}),
+        modules=modules,
+        nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in modules.values()),
+    )

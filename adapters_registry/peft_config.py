@@ -1,0 +1,190 @@
+"""Validate a peft `adapter_config.json` and decide, per base module, the rank and scaling peft would use."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import AdapterError
+from .model_info import LORA_PROJECTIONS, ModelInfo
+
+CONFIG_NAME = "adapter_config.json"
+
+# Modules a user may target that have no LoRA path in our model (full names as in transformers' Llama family).
+NO_LORA_PATH_MODULES = ("model.embed_tokens", "lm_head")
+
+# peft features that change the forward pass in ways plain LoRA A/B weights cannot express.
+_UNSUPPORTED_FEATURES = (
+    ("layer_replication", "layer replication"),
+    ("alora_invocation_tokens", "activated LoRA (aLoRA)"),
+    ("trainable_token_indices", "trainable tokens"),
+    ("target_parameters", "LoRA on parameters (target_parameters)"),
+    ("use_qalora", "QA-LoRA"),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+    ("velora_config", "VeLoRA"),
+    ("monteclora_config", "MonteCLoRA"),
+    ("arrow_config", "Arrow routing"),
+    ("kasa_config", "KaSA"),
+)
+
+
+@dataclass(frozen=True)
+class ModulePlan:
+    """What peft would build for one base module: its rank, alpha and the scaling folded into B."""
+
+    rank: int
+    alpha: float
+    scaling: float
+
+
+def read_adapter_config(directory: Path) -> dict:
+    """Read adapter_config.json; a missing, unreadable or non-JSON file is an AdapterError."""
+    path = directory / CONFIG_NAME
+    if not path.is_file():
+        raise AdapterError(f"No {CONFIG_NAME} in {directory}: not a peft adapter directory.")
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AdapterError(f"Cannot read {path}: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterError(f"{path} must hold a JSON object.")
+    return config
+
+
+def check_supported(config: dict) -> None:
+    """Refuse adapters that are not plain LoRA (DoRA, extra trained modules, biases, other peft methods)."""
+    peft_type = config.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"Only LoRA adapters are supported: adapter_config.json has peft_type {peft_type!r}, not 'LORA'.")
+    if config.get("use_dora"):
+        raise AdapterError("DoRA adapters (use_dora: true) are not supported.")
+    if config.get("modules_to_save"):
+        raise AdapterError(
+            f"Adapters with modules_to_save {config['modules_to_save']} are not supported: "
+            "only LoRA A/B weights can be served on a shared base model."
+        )
+    bias = config.get("bias", "none")
+    if bias != "none":
+        raise AdapterError(f"Adapters with trained biases (bias: {bias!r}) are not supported; bias must be 'none'.")
+    if config.get("lora_bias"):
+        raise AdapterError("Adapters with a LoRA bias (lora_bias: true) are not supported.")
+    for key, feature in _UNSUPPORTED_FEATURES:
+        if config.get(key):
+            raise AdapterError(f"Adapters using {feature} ({key}) are not supported.")
+
+
+def _number(key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise AdapterError(f"adapter_config.json: {key} must be a number, got {value!r}.")
+    return value
+
+
+def _rank(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise AdapterError(f"adapter_config.json: {key} must be a positive integer, got {value!r}.")
+    return value
+
+
+def _pattern_value(patterns: dict, module: str, default):
+    """peft's get_pattern_key: the first key `k` with `(.*\\.)?(k)$` matching the module name wins."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default
+
+
+def _layer_index_ok(config: dict, module: str) -> bool:
+    """peft's layers_to_transform / layers_pattern filter (applied only to list target_modules)."""
+    indexes = config.get("layers_to_transform")
+    if indexes is None or indexes == []:
+        return True
+    patterns = config.get("layers_pattern")
+    if not patterns:
+        match = re.match(r".*?\.[^.]*\.(?P<idx>\d+)\.", module)
+    else:
+        match = None
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            match = re.match(rf"(?:^|.*?\.){pattern}\.(?P<idx>\d+)\.", module)
+            if match is not None:
+                break
+    if match is None:
+        return False
+    index = int(match.group("idx"))
+    return index == indexes if isinstance(indexes, int) else index in indexes
+
+
+def _excluded(config: dict, module: str) -> bool:
+    exclude = config.get("exclude_modules")
+    if not exclude:
+        return False
+    if isinstance(exclude, str):
+        return re.fullmatch(exclude, module) is not None
+    return module in exclude or any(module.endswith(f".{key}") for key in exclude)
+
+
+def _list_target_matches(entry: str, module: str) -> bool:
+    return module == entry or module.endswith(f".{entry}")
+
+
+def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
+    """The base modules peft would wrap, in model order; targets without a LoRA path are refused."""
+    targets = config.get("target_modules")
+    names = list(model.module_shapes)
+    supported = ", ".join(LORA_PROJECTIONS)
+    if isinstance(targets, str):
+        if targets == "all-linear":
+            matched = names
+        else:
+            try:
+                regex = re.compile(targets)
+            except re.error as exc:
+                raise AdapterError(f"adapter_config.json: target_modules {targets!r} is not a valid regex: {exc}") from None
+            for module in NO_LORA_PATH_MODULES:
+                if regex.fullmatch(module):
+                    raise AdapterError(
+                        f"target_modules {targets!r} matches {module}, which has no LoRA path in this model "
+                        f"(supported: {supported})."
+                    )
+            matched = [m for m in names if regex.fullmatch(m)]
+    elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
+        if "all-linear" in targets:
+            targets = [t for t in targets if t != "all-linear"] + list(LORA_PROJECTIONS)
+        for entry in targets:
+            if not any(_list_target_matches(entry, m) for m in names):
+                raise AdapterError(
+                    f"target module {entry!r} has no LoRA path in this model (supported: {supported})."
+                )
+        matched = [
+            m for m in names if any(_list_target_matches(t, m) for t in targets) and _layer_index_ok(config, m)
+        ]
+    else:
+        raise AdapterError(
+            f"adapter_config.json: target_modules must be a non-empty list of module names or a regex string, got {targets!r}."
+        )
+    matched = [m for m in matched if not _excluded(config, m)]
+    if not matched:
+        raise AdapterError(f"target_modules {targets!r} matches no LoRA-capable module of this model (supported: {supported}).")
+    return matched
+
+
+def plan_modules(config: dict, model: ModelInfo) -> dict[str, ModulePlan]:
+    """Per targeted module, the rank and scaling peft would use (rank_pattern / alpha_pattern / rsLoRA)."""
+    default_rank = _rank("r", config.get("r"))
+    default_alpha = _number("lora_alpha", config.get("lora_alpha", 8))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora"))
+    plans = {}
+    for module in targeted_modules(config, model):
+        rank = _rank(f"rank_pattern for {module}", _pattern_value(rank_pattern, module, default_rank))
+        alpha = _number(f"alpha_pattern for {module}", _pattern_value(alpha_pattern, module, default_alpha))
+        scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
+        plans[module] = ModulePlan(rank=rank, alpha=alpha, scaling=scaling)
+    max_rank = max(plan.rank for plan in plans.values())
+    if max_rank > model.max_lora_rank:
+        raise AdapterError(f"LoRA rank {max_rank} is greater than max_lora_rank {model.max_lora_rank}.")
+    return plans

@@ -1,0 +1,68 @@
+"""Read a peft adapter's weight file into {module: {"A": tensor, "B": tensor}}, refusing anything that is not LoRA A/B."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from .errors import AdapterError
+
+SAFETENSORS_NAME = "adapter_model.safetensors"
+PICKLE_NAME = "adapter_model.bin"
+
+# base_model.model.<module>.lora_A.weight, or with the adapter name: ...lora_A.<adapter>.weight
+_LORA_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<side>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def read_tensors(directory: Path, *, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    """All tensors of the adapter's weight file; a pickle file only with allow_pickle."""
+    safetensors_path = directory / SAFETENSORS_NAME
+    pickle_path = directory / PICKLE_NAME
+    if safetensors_path.is_file():
+        try:
+            return load_file(str(safetensors_path), device="cpu")
+        except (SafetensorError, OSError) as exc:
+            raise AdapterError(f"{safetensors_path} is corrupt or truncated: {exc}") from None
+    if pickle_path.is_file():
+        if not allow_pickle:
+            raise AdapterError(
+                f"{pickle_path} is a pickle file, which can run arbitrary code; refusing to load it. "
+                f"Convert it to {SAFETENSORS_NAME}, or opt in to pickle loading."
+            )
+        try:
+            tensors = torch.load(str(pickle_path), map_location="cpu", weights_only=True)
+        except Exception as exc:  # torch.load raises many kinds on a bad file
+            raise AdapterError(f"{pickle_path} is corrupt or not a weights-only state dict: {exc}") from None
+        if not isinstance(tensors, dict) or not all(isinstance(t, torch.Tensor) for t in tensors.values()):
+            raise AdapterError(f"{pickle_path} does not hold a dict of tensors.")
+        return tensors
+    raise AdapterError(f"No {SAFETENSORS_NAME} (or {PICKLE_NAME}) in {directory}.")
+
+
+def _refusal(key: str) -> str:
+    if "lora_magnitude_vector" in key:
+        return f"weight file has DoRA magnitude vector {key}; DoRA adapters are not supported."
+    if "lora_embedding_" in key:
+        return f"weight file has an embedding LoRA tensor {key}; embeddings have no LoRA path in this model."
+    if ".lora_A." in key or ".lora_B." in key:
+        return f"weight file has LoRA bias tensor {key}; LoRA biases are not supported."
+    return f"weight file has non-LoRA tensor {key} (trained base weights are not supported)."
+
+
+def group_lora_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """Group tensors by base module name; any tensor that is not a LoRA A/B weight is refused."""
+    modules: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        match = _LORA_KEY.match(key)
+        if match is None:
+            raise AdapterError(_refusal(key))
+        sides = modules.setdefault(match["module"], {})
+        if match["side"] in sides:
+            raise AdapterError(f"weight file has more than one lora_{match['side']} for {match['module']}.")
+        if not tensor.is_floating_point():
+            raise AdapterError(f"{key} has dtype {tensor.dtype}; LoRA weights must be floating point.")
+        sides[match["side"]] = tensor
+    return modules
