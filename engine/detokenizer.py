@@ -1,0 +1,106 @@
+"""Incremental detokenization with stop strings, at constant cost per token.
+
+vLLM's prefix/read offset method: decode a short window of ids twice (up to the last emitted
+token, and through the new one) and emit the difference. Text is only emitted once it does not
+end in U+FFFD, so a multi-byte character split across tokens is never shown half-done.
+"""
+from __future__ import annotations
+
+from engine.sampling_params import SamplingParams
+
+# How many prompt tokens give the first generated token its context (spaces, merges), as in vLLM.
+_PROMPT_CONTEXT = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text of one generated sequence, fed one token at a time."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+        self._tokenizer = tokenizer
+        self._params = params
+        # Only the prompt's tail is kept: the window never reaches further back.
+        self._ids = list(prompt_token_ids[-(_PROMPT_CONTEXT + 2) :])
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(self._read_offset - _PROMPT_CONTEXT, 0)
+        self._num_output_tokens = 0
+        self._text = ""
+        self._finished = False
+        self._stop = params.stop
+        self._max_stop_len = max((len(s) for s in self._stop), default=0)
+
+    def append(self, token_id: int) -> str | None:
+        """Adds one generated token; returns the stop string if one just matched (the text then ends there)."""
+        self._ids.append(token_id)
+        self._num_output_tokens += 1
+        new_text = self._decode_new()
+        if not new_text:
+            return None
+        old_len = len(self._text)
+        self._text += new_text
+        # vLLM: stop strings count only once min_tokens tokens are out.
+        if self._stop and self._num_output_tokens > self._params.min_tokens:
+            return self._check_stop(old_len)
+        return None
+
+    @property
+    def output_text(self) -> str:
+        """Text safe to show now: no half character, and no tail that may yet become a stop string."""
+        if self._finished or not self._stop:
+            return self._text
+        return self._text[: len(self._text) - self._pending_stop_prefix()]
+
+    def flush(self) -> str:
+        """Finishes the sequence (stopped for another reason): the whole text, including any held-back tail.
+
+        Bytes of a character that never completed stay out, as in vLLM.
+        """
+        self._finished = True
+        return self._text
+
+    def _decode_new(self) -> str:
+        decode_kwargs = dict(
+            skip_special_tokens=self._params.skip_special_tokens,
+            spaces_between_special_tokens=self._params.spaces_between_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], **decode_kwargs)
+        full_text = self._tokenizer.decode(self._ids[self._prefix_offset :], **decode_kwargs)
+        if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
+            # Nothing visible yet (a skipped special token, or an unfinished character): wait for more.
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._drop_consumed_ids()
+        return full_text[len(prefix_text) :]
+
+    def _drop_consumed_ids(self) -> None:
+        """Keeps memory constant: ids before the prefix offset are never decoded again."""
+        if self._prefix_offset > 64:
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
+
+    def _check_stop(self, old_len: int) -> str | None:
+        """Finds the earliest stop string that ends in the newly added text, and truncates there."""
+        best: tuple[int, str] | None = None
+        for stop in self._stop:
+            index = self._text.find(stop, max(0, old_len - len(stop) + 1))
+            if index != -1 and (best is None or index < best[0]):
+                best = (index, stop)
+        if best is None:
+            return None
+        index, stop = best
+        end = index + len(stop) if self._params.include_stop_str_in_output else index
+        self._text = self._text[:end]
+        self._finished = True
+        return stop
+
+    def _pending_stop_prefix(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of some stop string."""
+        text = self._text
+        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            tail = text[-length:]
+            if any(len(stop) > length and stop.startswith(tail) for stop in self._stop):
+                return length
+        return 0
