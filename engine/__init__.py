@@ -1,0 +1,13 @@
+"""The loraserve engine: continuous batching over a paged KV cache, with per-token LoRA adapters."""
+from .async_engine import AsyncEngine
+from .config import EngineConfig
+from .llm import LLM
+from .llm_engine import EngineStats, LLMEngine
+from .lora_request import LoRARequest
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+
+__all__ = [
+    "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "LoRARequest",
+    "RequestOutput", "SamplingParams",
+]

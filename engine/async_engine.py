@@ -1,0 +1,164 @@
+"""An asyncio front for the engine: one background thread steps the batch; callers stream outputs.
+
+Every change to engine state (add, abort, adapter load/unload) is queued as a command and run on
+the engine thread between steps, so the engine itself needs no locks.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any
+
+from .config import EngineConfig
+from .llm_engine import EngineStats, LLMEngine
+from .lora_request import LoRARequest
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+logger = logging.getLogger("loraserve.engine")
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, **config_kwargs):
+        self.engine = LLMEngine(config or EngineConfig(**config_kwargs))
+        self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._wakeup = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="loraserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- what the server reads ------------------------------------------------------------
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def model_info(self):
+        return self.engine.model_info
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def stats(self) -> EngineStats:
+        return self.call(self.engine.stats)
+
+    def lora_status(self) -> dict:
+        manager = self.engine.lora_manager
+        return self.call(manager.status) if manager is not None else {}
+
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
+        if self.engine.lora_manager is None:
+            raise ValueError("LoRA is not enabled; start the engine with enable_lora=True")
+        self.call(lambda: self.engine.lora_manager.add(lora_request, adapter))
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.engine.lora_manager is not None:
+            self.call(lambda: self.engine.lora_manager.remove(lora_int_id))
+
+    # ---- requests -------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,
+                       lora_request: LoRARequest | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add() -> None:
+            self.engine.add_request(prompt, sampling_params, lora_request, request_id)
+            self._streams[request_id] = (loop, queue)
+
+        await asyncio.wrap_future(self._submit(add))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._submit(lambda: self._abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.wrap_future(self._submit(lambda: self._abort(request_id)))
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps and wait for its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        return self._submit(fn).result()
+
+    def shutdown(self) -> None:
+        with self._wakeup:
+            self._stopped = True
+            self._wakeup.notify()
+        self._thread.join(timeout=30)
+
+    # ---- the engine thread ----------------------------------------------------------------
+    def _submit(self, fn: Callable[[], Any]) -> Future:
+        future: Future = Future()
+        with self._wakeup:
+            if self._stopped:
+                future.set_exception(RuntimeError("the engine has been shut down"))
+                return future
+            self._commands.append((fn, future))
+            self._wakeup.notify()
+        return future
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not self._stopped and not self._commands and not self.engine.has_unfinished_requests():
+                    self._wakeup.wait()
+                if self._stopped:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, future in commands:
+                try:
+                    future.set_result(fn())
+                except BaseException as exc:  # the caller gets it
+                    future.set_exception(exc)
+            if self.engine.has_unfinished_requests():
+                self._step()
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError("the engine has been shut down"))
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed; aborting the running requests")
+            for request_id in list(self.engine.requests):
+                self.engine.abort(request_id)
+                self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            return
+        for output in outputs:
+            self._deliver(output.request_id, output)
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        finished = isinstance(item, BaseException) or item.finished
+        target = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
+        if target is not None:
+            loop, queue = target
+            loop.call_soon_threadsafe(queue.put_nowait, item)

@@ -1,0 +1,43 @@
+"""Engine settings, validated once at construction (vLLM's names where vLLM has one)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # HF dir, Hub id, or .gguf file; None = embedded default
+    revision: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto
+    device: str = "auto"  # cpu | cuda | auto
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # explicit KV pool size; else sized from memory
+    kv_cache_memory_bytes: int | None = None  # KV memory budget (CPU default: 1 GiB)
+    gpu_memory_utilization: float = 0.85
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    allow_pickle_adapters: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
+            raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be cpu, cuda or auto; got {self.device!r}")
+        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")

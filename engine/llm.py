@@ -1,0 +1,105 @@
+"""The offline entry point, in vLLM's shape: `LLM(...).generate(prompts, params, lora_request=...)`."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from .config import EngineConfig
+from .llm_engine import LLMEngine
+from .lora_request import LoRARequest
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
+                 max_model_len: int | None = None, max_num_seqs: int = 64, enable_lora: bool = False,
+                 max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None, seed: int = 0,
+                 **engine_kwargs):
+        self.engine = LLMEngine(EngineConfig(
+            model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_cpu_loras=max_cpu_loras, seed=seed, **engine_kwargs,
+        ))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params or SamplingParams(), len(prompts), "sampling_params", SamplingParams)
+        loras = _per_prompt(lora_request, len(prompts), "lora_request", LoRARequest)
+        _check_lora_ids(loras)
+        return self._run(prompts, params, loras, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [
+            list(tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
+                                               add_generation_prompt=add_generation_prompt, return_dict=True)
+                 ["input_ids"])
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, lora_request, use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], loras: list[LoRARequest | None],
+             use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        ids = []
+        try:
+            for prompt, param, lora in zip(prompts, params, loras):
+                ids.append(engine.add_request(prompt, param, lora))
+        except Exception:
+            for request_id in ids:
+                engine.abort(request_id)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[request_id] for request_id in ids]
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return prompts
+
+
+def _per_prompt(value, count: int, name: str, kind: type) -> list:
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"The lengths of prompts ({count}) and {name} ({len(values)}) must be the same.")
+    return values
+
+
+def _check_lora_ids(loras: list[LoRARequest | None]) -> None:
+    seen: dict[int, LoRARequest] = {}
+    for lora in loras:
+        if lora is None:
+            continue
+        other = seen.setdefault(lora.lora_int_id, lora)
+        if (other.lora_name, other.lora_path) != (lora.lora_name, lora.lora_path):
+            raise ValueError(
+                f"lora_int_id {lora.lora_int_id} is used by two different adapters: "
+                f"{other.lora_name!r} ({other.lora_path}) and {lora.lora_name!r} ({lora.lora_path})"
+            )

@@ -1,0 +1,327 @@
+"""The synchronous engine core: add requests, step the batch, collect outputs, abort."""
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import BlockAllocator, allocate_kv_caches, bytes_per_block
+from .lora_request import LoRARequest
+from .model import LlamaForCausalLM
+from .model_loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model_dir
+from .model_runner import ModelRunner
+from .outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from .sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledSequence, Scheduler
+from .sequence import Request, Sequence, SequenceStatus
+
+logger = logging.getLogger("loraserve.engine")
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    lora_slots_used: int
+    lora_slots_total: int
+    num_preemptions: int
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on a GPU, float32 on the CPU (where half precision is slow and inexact)."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model_dir, self.model_name = resolve_model_dir(config.model, config.revision)
+        self.hf_config = load_hf_config(model_dir)
+        self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        limit = self.hf_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
+                             f"max_position_embeddings ({limit})")
+        self.model = self._build_model(model_dir)
+        self.block_size = config.block_size
+        num_blocks = self._num_kv_blocks()
+        head_dim = self.model.layers[0].self_attn.head_dim
+        kv_caches = allocate_kv_caches(self.hf_config.num_hidden_layers, num_blocks, self.block_size,
+                                       self.hf_config.num_key_value_heads, head_dim, self.dtype, self.device)
+        self.allocator = BlockAllocator(num_blocks)
+        self.lora_manager = self._build_lora_manager() if config.enable_lora else None
+        self.scheduler = Scheduler(
+            self.allocator, self.block_size, config.max_num_seqs,
+            config.max_num_batched_tokens or max(4096, min(self.max_model_len, 8192)),
+            adapter_slots=self.lora_manager,
+        )
+        self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device)
+        self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        torch.manual_seed(config.seed)
+
+    def _build_model(self, model_dir) -> LlamaForCausalLM:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.hf_config, self.max_model_len)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(iter_safetensors(model_dir))
+        return model.eval()
+
+    def _num_kv_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        head_dim = self.model.layers[0].self_attn.head_dim
+        per_block = bytes_per_block(self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads,
+                                    head_dim, self.block_size, self.dtype)
+        wanted = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+        else:
+            budget = 1 << 30
+        return max(1, min(wanted, budget // per_block))
+
+    def _build_lora_manager(self):
+        from .lora_manager import LoRAManager
+
+        return LoRAManager(self.model, self.model_info, max_loras=self.config.max_loras,
+                           max_lora_rank=self.config.max_lora_rank, max_cpu_loras=self.config.max_cpu_loras,
+                           device=self.device, dtype=self.dtype,
+                           allow_pickle=self.config.allow_pickle_adapters)
+
+    @property
+    def model_info(self):
+        from adapters_registry import ModelInfo
+
+        architectures = getattr(self.hf_config, "architectures", None) or [""]
+        return ModelInfo(architecture=architectures[0], model_type=self.hf_config.model_type,
+                         name_or_path=self.model_name, module_shapes=self.model.module_shapes(),
+                         max_lora_rank=self.config.max_lora_rank)
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = set()
+        for value in (self.tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(value)
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+    def tokenize(self, prompt: str) -> list[int]:
+        return self.tokenizer(prompt)["input_ids"]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    lora_request: LoRARequest | None = None, request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if request_id is None:
+            request_id = str(next(self._request_ids))
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(token_ids, params)
+        if lora_request is not None:
+            if self.lora_manager is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not "
+                                 f"enabled; start the engine with enable_lora=True")
+            self.lora_manager.ensure_loaded(lora_request)
+        if params.max_tokens is None:
+            params = _with_max_tokens(params, self.max_model_len - len(token_ids))
+        request = Request(request_id, text, token_ids, params, lora_request)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]
+        for index in range(params.n):
+            generator = make_generator(params.seed, index, self.device) if params.seed is not None else None
+            seq = Sequence(next(self._seq_ids), request, index, list(token_ids),
+                           IncrementalDetokenizer(self.tokenizer, token_ids, params), generator)
+            seq.logprobs = [] if params.logprobs is not None else None
+            request.sequences.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request_id
+
+    def _check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("The prompt is empty")
+        vocab = self.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary (vocab size {vocab})")
+        wanted = len(token_ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{wanted} tokens ({len(token_ids)} in the prompt, {params.max_tokens or 1} in the completion). "
+                f"Please reduce the length of the prompt or max_tokens."
+            )
+        blocks = -(-wanted // self.block_size)
+        if blocks > self.allocator.num_blocks:
+            raise ValueError(f"The request needs {blocks} KV cache blocks but the cache has only "
+                             f"{self.allocator.num_blocks}")
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.sequences:
+            if seq.status is not SequenceStatus.FINISHED:
+                self.scheduler.finish(seq)
+                seq.finish_reason = "abort"
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- stepping -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        scheduled = plan.scheduled
+        slots = ([self.lora_manager.slot_for(item.seq.request.lora_request) for item in scheduled]
+                 if self.lora_manager else [-1] * len(scheduled))
+        result = self.runner.execute(scheduled, slots)
+        self._record_prompt_logprobs(scheduled, result)
+        sampling = [i for i, item in enumerate(scheduled) if item.samples]
+        sampled = []
+        if sampling:
+            rows = [result.starts[i] + scheduled[i].num_new_tokens - 1 for i in sampling]
+            logits = self.model.compute_logits(result.hidden[rows])
+            sampled = self.sampler(logits, [self._sampling_row(scheduled[i].seq) for i in sampling])
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        touched: dict[str, Request] = {}
+        for i, token in zip(sampling, sampled):
+            seq = scheduled[i].seq
+            self._append_token(seq, token)
+            touched[seq.request.request_id] = seq.request
+        outputs = []
+        for request in touched.values():
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request.request_id]
+        return outputs
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
+
+    def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], result) -> None:
+        for i, item in enumerate(scheduled):
+            seq, request = item.seq, item.seq.request
+            record = request.prompt_logprobs
+            if record is None or seq.index != 0 or len(record) >= seq.num_prompt_tokens:
+                continue
+            start = seq.num_computed_tokens
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if end <= start:
+                continue
+            hidden = result.hidden[result.starts[i]:result.starts[i] + end - start]
+            logprobs = compute_logprobs(self.model.compute_logits(hidden))
+            targets = seq.token_ids[start + 1:end + 1]
+            record.extend(_position_logprobs(logprobs, targets, request.params.prompt_logprobs))
+
+    def _append_token(self, seq: Sequence, token) -> None:
+        params = seq.request.params
+        seq.token_ids.append(token.token_id)
+        seq.cumulative_logprob += token.logprob
+        if seq.logprobs is not None:
+            seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        reason, stop_reason = None, None
+        stop_token = num_output > params.min_tokens - 1 and (
+            (token.token_id in self.eos_token_ids and not params.ignore_eos)
+            or token.token_id in params.stop_token_ids
+        )
+        if stop_token:
+            reason = "stop"
+            stop_reason = token.token_id if token.token_id in params.stop_token_ids else None
+            if params.include_stop_str_in_output:
+                seq.detokenizer.append(token.token_id)
+        else:
+            matched = seq.detokenizer.append(token.token_id)
+            if matched is not None and num_output >= params.min_tokens:
+                reason, stop_reason = "stop", matched
+        if reason is None and (num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            reason = "length"
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop_reason
+            self.scheduler.finish(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.sequences:
+            done = seq.status is SequenceStatus.FINISHED
+            stopped_by_string = isinstance(seq.stop_reason, str)
+            text = seq.detokenizer.flush() if done and not stopped_by_string else seq.detokenizer.output_text
+            completions.append(CompletionOutput(
+                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            ))
+        return RequestOutput(
+            request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
+            outputs=completions, finished=request.finished,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            lora_name=request.lora_request.lora_name if request.lora_request else None,
+        )
+
+    def stats(self) -> EngineStats:
+        used, total = (self.lora_manager.slot_usage() if self.lora_manager else (0, 0))
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_blocks_used=self.allocator.num_used, kv_blocks_total=self.allocator.num_blocks,
+            lora_slots_used=used, lora_slots_total=total, num_preemptions=self.scheduler.num_preemptions,
+        )
+
+
+def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, max_tokens=max_tokens)
+
+
+def _position_logprobs(logprobs: torch.Tensor, targets: list[int], top: int) -> list[PositionLogprobs]:
+    """For each row, the target token's logprob plus the `top` most likely tokens."""
+    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    result = [{t: lp} for t, lp in zip(targets, chosen)]
+    if top > 0:
+        values, indices = logprobs.topk(top, dim=-1)
+        for entry, vals, idxs in zip(result, values.tolist(), indices.tolist()):
+            for v, i in zip(vals, idxs):
+                entry.setdefault(i, v)
+    return result

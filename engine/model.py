@@ -1,0 +1,236 @@
+"""Our own forward pass for Llama-style decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
+
+Every projection is a `LoRALinear`, so the multi-LoRA path adds a per-token adapter delta to
+q, k, v, o, gate, up and down without the model knowing which adapters exist.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
+
+from .step_input import AttentionMetadata, StepInput
+
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """`y = x W^T + b`, plus `expand(shrink(x, A[slot]), B[slot])` for each output slice.
+
+    Slices (q/k/v, gate/up) share one base matmul; `lora_a[i]`/`lora_b[i]` are the stacked
+    slot tensors `[S, R, K]` / `[S, N_i, R]` the LoRA manager attaches.
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, names: list[str]):
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        self.names = list(names)
+        self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
+        self.lora_a: list[torch.Tensor] | None = None
+        self.lora_b: list[torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        y = nn.functional.linear(x, self.weight, self.bias)
+        if lora is not None and self.lora_a is not None:
+            import kernels
+
+            h = kernels.lora_shrink_slices(x, self.lora_a, lora)
+            kernels.lora_expand_slices(y, h, self.lora_b, lora)
+        return y
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables from transformers' own RoPE initialisers (default, llama3, linear, ...)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int):
+        super().__init__()
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = getattr(config, "rope_parameters", None) or {}
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            base = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq.float())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
+        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
+        self.qkv_proj = LoRALinear(config.hidden_size, [q_size, kv_size, kv_size], bias, ["q_proj", "k_proj", "v_proj"])
+        self.o_proj = LoRALinear(q_size, [config.hidden_size], False, ["o_proj"])
+        self.rotary = rotary
+        self.split = [q_size, kv_size, kv_size]
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                attn: AttentionMetadata, lora) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x, lora).split(self.split, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        k_cache, v_cache = kv_cache
+        write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        if attn.decode_only:
+            out = paged_attention_decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
+        else:
+            out = paged_attention_prefill(q, k_cache, v_cache, attn.block_tables, attn.query_lens,
+                                          attn.context_lens_list, self.scale)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"])
+        self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"])
+        self.inter = inter
+
+    def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).split(self.inter, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up, lora)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, positions, kv_cache, attn, lora):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, lora)
+        return x + self.mlp(self.post_attention_layernorm(x), lora)
+
+
+class LlamaForCausalLM(nn.Module):
+    SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
+
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        if config.model_type not in self.SUPPORTED_TYPES:
+            raise ValueError(
+                f"Unsupported model type {config.model_type!r}; loraserve runs {', '.join(self.SUPPORTED_TYPES)}"
+            )
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True) \
+                and config.sliding_window < max_positions:
+            raise ValueError(
+                f"Sliding-window attention ({config.sliding_window}) is not supported; "
+                f"set max_model_len <= {config.sliding_window}"
+            )
+        self.config = config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(config, head_dim, max_positions)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
+
+    def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        x = self.embed_tokens(step.input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, step.positions, kv_cache, step.attention, step.lora)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
+        return nn.functional.linear(hidden, head).float()
+
+    def lora_layers(self) -> dict[str, LoRALinear]:
+        """Every LoRA-capable linear by module prefix, e.g. `model.layers.0.self_attn.` -> qkv_proj."""
+        found = {}
+        for i, layer in enumerate(self.layers):
+            found[f"model.layers.{i}.self_attn.qkv_proj"] = layer.self_attn.qkv_proj
+            found[f"model.layers.{i}.self_attn.o_proj"] = layer.self_attn.o_proj
+            found[f"model.layers.{i}.mlp.gate_up_proj"] = layer.mlp.gate_up_proj
+            found[f"model.layers.{i}.mlp.down_proj"] = layer.mlp.down_proj
+        return found
+
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """HF module name -> (out_features, in_features) for each of the 7 projections."""
+        shapes = {}
+        for prefix, linear in self.lora_layers().items():
+            parent = prefix.rsplit(".", 1)[0]
+            for name, size in zip(linear.names, linear.out_sizes):
+                shapes[f"{parent}.{name}"] = (size, linear.in_features)
+        return shapes
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up."""
+        params = dict(self.named_parameters())
+        slices: dict[str, tuple[str, int, int]] = {}
+        for prefix, linear in self.lora_layers().items():
+            parent = prefix.rsplit(".", 1)[0]
+            offset = 0
+            for name, size in zip(linear.names, linear.out_sizes):
+                for kind in ("weight", "bias"):
+                    slices[f"{parent}.{name}.{kind}"] = (f"{prefix.removeprefix('model.')}.{kind}", offset, size)
+                offset += size
+        loaded = set()
+        for name, tensor in weights:
+            if name in slices:
+                target, offset, size = slices[name]
+                params[target].data[offset:offset + size].copy_(tensor)
+                loaded.add(f"{target}:{offset}")
+            elif name == "lm_head.weight":
+                if not self.tie_word_embeddings:
+                    self.lm_head.data.copy_(tensor)
+                    loaded.add("lm_head")
+            elif name.startswith("model.") and name.removeprefix("model.") in params:
+                params[name.removeprefix("model.")].data.copy_(tensor)
+                loaded.add(name.removeprefix("model."))
+            elif "rotary_emb" in name:
+                continue
+            else:
+                raise ValueError(f"Unexpected weight {name!r} in checkpoint")
+        expected = {f"{t}:{o}" for t, o, _ in slices.values() if t in params}
+        expected |= {n for n in params if not any(n == t for t, _, _ in slices.values())}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"Checkpoint is missing weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")

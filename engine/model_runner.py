@@ -1,0 +1,77 @@
+"""Turns one scheduler step into one batched forward pass over the paged KV cache."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .model import LlamaForCausalLM
+from .scheduler import ScheduledSequence
+from .step_input import AttentionMetadata, StepInput
+
+
+@dataclass
+class StepResult:
+    hidden: torch.Tensor  # [T, hidden] final-norm hidden states of every new token
+    starts: list[int]  # offset of each scheduled sequence's first new token in `hidden`
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+
+    def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
+        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        token_slots: list[int] = []
+        query_lens, context_lens, tables = [], [], []
+        bs = self.block_size
+        for item, lora_slot in zip(scheduled, adapter_slots):
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            token_slots.extend([lora_slot] * n)
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        dev = self.device
+        attention = AttentionMetadata(
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
+            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            query_lens=query_lens,
+            context_lens_list=context_lens,
+            decode_only=all(n == 1 for n in query_lens),
+        )
+        lora = None
+        if any(s >= 0 for s in adapter_slots):
+            import kernels
+
+            slots = torch.tensor(token_slots, dtype=torch.long, device=dev)
+            lora = kernels.prepare_lora_metadata(slots, max(adapter_slots) + 1)
+        return StepInput(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
+            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            attention=attention,
+            lora=lora,
+        )
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepResult:
+        step = self.build_step(scheduled, adapter_slots)
+        hidden = self.model(step, self.kv_caches)
+        starts, offset = [], 0
+        for item in scheduled:
+            starts.append(offset)
+            offset += item.num_new_tokens
+        return StepResult(hidden=hidden, starts=starts)

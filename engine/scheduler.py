@@ -1,0 +1,144 @@
+"""Continuous batching under three budgets: sequences, tokens per step, KV blocks — plus adapter slots.
+
+Running sequences go first (decode one token, or the next chunk of a long prompt); when KV blocks
+run out the newest running sequence is preempted (its blocks freed, to be recomputed later). Then
+waiting sequences are admitted in arrival order; one whose adapter cannot get a slot is skipped
+so others can run, until it has been skipped `max_skips` times, after which nothing is admitted
+past it until it gets its slot.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .kv_cache import BlockAllocator
+from .lora_request import LoRARequest
+from .sequence import Sequence, SequenceStatus
+
+
+class AdapterSlots(Protocol):
+    def can_pin(self, lora_request: LoRARequest) -> bool: ...
+    def pin(self, lora_request: LoRARequest) -> None: ...
+    def unpin(self, lora_request: LoRARequest) -> None: ...
+
+
+@dataclass
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the end of the sequence's tokens, so a token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
+                 max_num_batched_tokens: int, adapter_slots: AdapterSlots | None = None, max_skips: int = 8):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.adapter_slots = adapter_slots
+        self.max_skips = max_skips
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence) -> None:
+        """Free everything a sequence holds (finished or aborted), wherever it is."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._release(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.block_table)
+        if self.adapter_slots is not None and seq.request.lora_request is not None:
+            self.adapter_slots.unpin(seq.request.lora_request)
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def _grow(self, seq: Sequence, num_blocks: int) -> None:
+        for _ in range(num_blocks):
+            seq.block_table.append(self.allocator.allocate())
+
+    def _preempt(self, seq: Sequence, output: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        output.preempted.append(seq)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        output = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget == 0:
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            needed = self._blocks_needed(seq, num_new)
+            while needed > self.allocator.num_free:
+                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+                self._preempt(victim, output)
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue
+            self._grow(seq, needed)
+            output.scheduled.append(ScheduledSequence(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+        if not output.preempted:
+            self._admit(output, budget)
+        return output
+
+    def _admit(self, output: SchedulerOutput, budget: int) -> None:
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                return
+            lora = seq.request.lora_request
+            if lora is not None and self.adapter_slots is not None and not self.adapter_slots.can_pin(lora):
+                seq.skipped_steps += 1
+                if seq.skipped_steps > self.max_skips:
+                    return
+                continue
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            needed = self._blocks_needed(seq, num_new)
+            if needed > self.allocator.num_free:
+                return
+            if lora is not None and self.adapter_slots is not None:
+                self.adapter_slots.pin(lora)
+            self._grow(seq, needed)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.skipped_steps = 0
+            self.running.append(seq)
+            output.scheduled.append(ScheduledSequence(seq, num_new))
+            budget -= num_new

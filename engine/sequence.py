@@ -1,0 +1,72 @@
+"""Requests and their sequences (one per `n`), as the scheduler and engine track them."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .lora_request import LoRARequest
+from .outputs import PositionLogprobs
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: Any  # SamplingParams
+    lora_request: LoRARequest | None
+    arrival_time: float = field(default_factory=time.monotonic)
+    sequences: list["Sequence"] = field(default_factory=list)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.status is SequenceStatus.FINISHED for seq in self.sequences)
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: Request
+    index: int
+    token_ids: list[int]
+    detokenizer: Any  # IncrementalDetokenizer
+    generator: torch.Generator | None
+    num_prompt_tokens: int = 0
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    logprobs: list[PositionLogprobs] | None = None
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    skipped_steps: int = 0  # times the scheduler passed it over for lack of an adapter slot
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.request.lora_int_id

@@ -1,0 +1,25 @@
+"""The one record the model runner hands the model each step (no globals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] flat KV slot of every new token
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    context_lens: torch.Tensor  # [B] tokens in the cache after this step, per sequence
+    query_lens: list[int]  # new tokens per sequence, in batch order
+    context_lens_list: list[int]
+    decode_only: bool  # every sequence has exactly one new token
+
+
+@dataclass
+class StepInput:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attention: AttentionMetadata
+    lora: Any  # kernels.LoRAMetadata, or None when no token uses an adapter

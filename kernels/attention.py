@@ -1,0 +1,69 @@
+"""Attention over a paged KV cache: the torch implementation (CPU, and the reference on GPU).
+
+The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's
+tokens live in the blocks its block table lists, in order.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' keys and values at their flat cache slots (block * block_size + offset)."""
+    flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
+    flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
+    flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    flat_v.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, kv_heads, dim] of one sequence, read through its block table."""
+    return cache[block_table].flatten(0, 1)[:length]
+
+
+def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """One query token per sequence: q [B, H, D] -> [B, H, D]."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    keys = k_cache[block_tables].flatten(1, 2)  # [B, L, kvh, D]
+    values = v_cache[block_tables].flatten(1, 2)
+    length = keys.shape[1]
+    qg = q.view(batch, kv_heads, group, dim).float()
+    scores = torch.einsum("bkgd,blkd->bkgl", qg, keys.float()) * scale
+    pad = torch.arange(length, device=q.device)[None, :] >= context_lens[:, None]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
+    return out.reshape(batch, heads, dim).to(q.dtype)
+
+
+def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
+                            scale: float) -> torch.Tensor:
+    """Causal attention for chunks of new tokens: q [T, H, D] (sequences back to back) -> [T, H, D].
+
+    Sequence i's queries are its last query_lens[i] positions of context_lens[i] cached tokens.
+    """
+    heads = q.shape[1]
+    kv_heads = k_cache.shape[2]
+    out = torch.empty_like(q)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        qi = q[start:start + q_len].transpose(0, 1)  # [H, L, D]
+        ki = _gather(k_cache, block_tables[i], ctx_len).transpose(0, 1)  # [kvh, ctx, D]
+        vi = _gather(v_cache, block_tables[i], ctx_len).transpose(0, 1)
+        if kv_heads != heads:
+            ki = ki.repeat_interleave(heads // kv_heads, dim=0)
+            vi = vi.repeat_interleave(heads // kv_heads, dim=0)
+        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=scale
+        )
+        out[start:start + q_len] = attn.squeeze(0).transpose(0, 1)
+        start += q_len
+    return out
