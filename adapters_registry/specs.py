@@ -45,7 +45,7 @@ _JSON_KEYS = {"name", "path", "base_model_name"}
 
 def _parse_json_module(item: str) -> AdapterSpec:
     try:
-        data = json.loads(item)
+        data = json.loads(item.strip())
     except json.JSONDecodeError as exc:
         raise ValueError(f"Invalid --lora-modules entry {item!r}: not valid JSON ({exc.msg})") from None
     if not isinstance(data, dict):
@@ -68,7 +68,7 @@ def parse_lora_modules(items: Sequence[str]) -> list[AdapterSpec]:
     for item in items:
         text = item.strip()
         if text.startswith("{"):
-            specs.append(_parse_json_module(text))
+            specs.append(_parse_json_module(item))
             continue
         parts = text.split("=")
         if len(parts) != 2 or not parts[0].strip() or not parts[1].strip():
