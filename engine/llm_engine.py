@@ -78,7 +78,8 @@ class LLMEngine:
             config.max_num_batched_tokens or max(4096, min(self.max_model_len, 8192)),
             adapter_slots=self.lora_manager,
         )
-        self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device)
+        self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
+                                  num_lora_slots=config.max_loras if config.enable_lora else 0)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         self.requests: dict[str, Request] = {}

@@ -18,11 +18,12 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device):
+                 block_size: int, device: torch.device, num_lora_slots: int = 0):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+        self.num_lora_slots = num_lora_slots
 
     def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
         """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model)."""
@@ -58,7 +59,7 @@ class ModelRunner:
             import kernels
 
             slots = torch.tensor(token_slots, dtype=torch.long, device=dev)
-            lora = kernels.prepare_lora_metadata(slots, max(adapter_slots) + 1)
+            lora = kernels.prepare_lora_metadata(slots, self.num_lora_slots)
         return StepInput(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
             positions=torch.tensor(positions, dtype=torch.long, device=dev),

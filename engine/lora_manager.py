@@ -1,0 +1,179 @@
+"""Adapter residency: `max_loras` device slots, an LRU host cache, and per-adapter pins.
+
+A slot holds one adapter's A and B for every projection, zero-padded to `max_lora_rank`, in
+stacked per-module tensors the model's `LoRALinear`s read by slot index. A slot is pinned while a
+running sequence uses it; only unpinned slots are evicted (least recently used first). Host copies
+(pinned memory on CUDA) are kept for up to `max_cpu_loras` adapters; beyond that an adapter is
+read from disk again when it next needs a slot.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+from adapters_registry import LoadedAdapter, ModelInfo, load_adapter
+
+from .lora_request import LoRARequest
+from .model import LlamaForCausalLM
+
+
+@dataclass
+class LoRAResidency:
+    slot: int | None  # device slot, or None when not resident
+    in_cpu: bool  # a host copy is cached
+    running: int  # running sequences using it
+
+
+class LoRAManager:
+    def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
+                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False):
+        self.model_info = model_info
+        self.max_lora_rank = max_lora_rank
+        self.max_cpu_loras = max_cpu_loras
+        self.device = device
+        self.dtype = dtype
+        self.allow_pickle = allow_pickle
+        self.num_slots = max_loras
+        self._layers = model.lora_layers()
+        for linear in self._layers.values():
+            linear.lora_a = [torch.zeros(max_loras, max_lora_rank, linear.in_features, dtype=dtype, device=device)
+                             for _ in linear.out_sizes]
+            linear.lora_b = [torch.zeros(max_loras, size, max_lora_rank, dtype=dtype, device=device)
+                             for size in linear.out_sizes]
+        self.known: dict[int, LoRARequest] = {}
+        self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        self.slot_owner: list[int | None] = [None] * max_loras
+        self.pins: Counter[int] = Counter()
+        self.removed: set[int] = set()
+        self._clock = itertools.count()
+        self._slot_used_at = [0] * max_loras
+
+    # ---- registration ---------------------------------------------------------------------
+    def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
+        """Make an adapter known (and cache its already-loaded weights, if given)."""
+        self._check_identity(lora_request)
+        self.removed.discard(lora_request.lora_int_id)
+        self.known[lora_request.lora_int_id] = lora_request
+        if adapter is not None:
+            self._cache(lora_request.lora_int_id, _pinned(adapter, self.device))
+        else:
+            self._host_copy(lora_request)
+
+    def ensure_loaded(self, lora_request: LoRARequest) -> None:
+        """Validate an adapter before a request for it is queued; bad adapters fail here."""
+        if lora_request.lora_int_id in self.removed:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} has been unloaded")
+        if self.known.get(lora_request.lora_int_id) != lora_request:
+            self.add(lora_request)
+
+    def remove(self, lora_int_id: int) -> None:
+        """Unload: new requests fail now; the slot and host copy go once no running request uses it."""
+        if lora_int_id not in self.known:
+            return
+        del self.known[lora_int_id]
+        self.removed.add(lora_int_id)
+        if self.pins[lora_int_id] == 0:
+            self._free(lora_int_id)
+
+    def _check_identity(self, lora_request: LoRARequest) -> None:
+        other = self.known.get(lora_request.lora_int_id)
+        if other is not None and (other.lora_name, other.lora_path) != (lora_request.lora_name,
+                                                                        lora_request.lora_path):
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names adapter "
+                             f"{other.lora_name!r} ({other.lora_path})")
+
+    # ---- the scheduler's view (AdapterSlots) ----------------------------------------------
+    def can_pin(self, lora_request: LoRARequest) -> bool:
+        if lora_request.lora_int_id in self.slot_owner:
+            return True
+        return any(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+
+    def pin(self, lora_request: LoRARequest) -> None:
+        int_id = lora_request.lora_int_id
+        if int_id not in self.slot_owner:
+            self._load_into_slot(lora_request, self._pick_slot())
+        self.pins[int_id] += 1
+        self._slot_used_at[self.slot_owner.index(int_id)] = next(self._clock)
+
+    def unpin(self, lora_request: LoRARequest) -> None:
+        int_id = lora_request.lora_int_id
+        self.pins[int_id] -= 1
+        if self.pins[int_id] == 0:
+            del self.pins[int_id]
+            if int_id in self.removed:
+                self._free(int_id)
+
+    def slot_for(self, lora_request: LoRARequest | None) -> int:
+        if lora_request is None:
+            return -1
+        return self.slot_owner.index(lora_request.lora_int_id)
+
+    # ---- reporting ------------------------------------------------------------------------
+    def status(self) -> dict[int, LoRAResidency]:
+        ids = set(self.known) | {i for i in self.slot_owner if i is not None} | set(self.host)
+        return {i: LoRAResidency(slot=self.slot_owner.index(i) if i in self.slot_owner else None,
+                                 in_cpu=i in self.host, running=self.pins[i]) for i in sorted(ids)}
+
+    def slot_usage(self) -> tuple[int, int]:
+        return sum(owner is not None for owner in self.slot_owner), self.num_slots
+
+    # ---- internals ------------------------------------------------------------------------
+    def _pick_slot(self) -> int:
+        free = [s for s, owner in enumerate(self.slot_owner) if owner is None]
+        if free:
+            return free[0]
+        idle = [s for s, owner in enumerate(self.slot_owner) if self.pins[owner] == 0]
+        return min(idle, key=lambda s: self._slot_used_at[s])
+
+    def _host_copy(self, lora_request: LoRARequest) -> LoadedAdapter:
+        int_id = lora_request.lora_int_id
+        adapter = self.host.get(int_id)
+        if adapter is None:
+            adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
+            adapter = _pinned(adapter, self.device)
+            self._cache(int_id, adapter)
+        else:
+            self.host.move_to_end(int_id)
+        return adapter
+
+    def _cache(self, int_id: int, adapter: LoadedAdapter) -> None:
+        self.host[int_id] = adapter
+        self.host.move_to_end(int_id)
+        while len(self.host) > self.max_cpu_loras:
+            self.host.popitem(last=False)
+
+    def _load_into_slot(self, lora_request: LoRARequest, slot: int) -> None:
+        adapter = self._host_copy(lora_request)
+        for prefix, linear in self._layers.items():
+            parent = prefix.rsplit(".", 1)[0]
+            for i, name in enumerate(linear.names):
+                a, b = linear.lora_a[i][slot], linear.lora_b[i][slot]
+                weights = adapter.modules.get(f"{parent}.{name}")
+                if weights is None:
+                    a.zero_()
+                    b.zero_()
+                    continue
+                r = weights.rank
+                a[r:].zero_()
+                b[:, r:].zero_()
+                a[:r].copy_(weights.lora_a, non_blocking=True)
+                b[:, :r].copy_(weights.lora_b, non_blocking=True)
+        self.slot_owner[slot] = lora_request.lora_int_id
+
+    def _free(self, int_id: int) -> None:
+        if int_id in self.slot_owner:
+            self.slot_owner[self.slot_owner.index(int_id)] = None
+        self.host.pop(int_id, None)
+
+
+def _pinned(adapter: LoadedAdapter, device: torch.device) -> LoadedAdapter:
+    """Page-lock host copies on CUDA so slot loads are asynchronous copies."""
+    if device.type != "cuda":
+        return adapter
+    for weights in adapter.modules.values():
+        weights.lora_a = weights.lora_a.pin_memory()
+        weights.lora_b = weights.lora_b.pin_memory()
+    return adapter
