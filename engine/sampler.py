@@ -83,14 +83,17 @@ class Sampler:
         if logits.shape[0] != len(rows):
             raise ValueError(f"got logits for {logits.shape[0]} sequences but {len(rows)} sampling rows")
         raw = logits[:, : self.vocab_size].float()
-        processed = self._process(raw, rows)
+        processed = self.process_logits(raw, rows)
         token_ids = self._choose(processed, rows)
         return self._report(raw, token_ids, rows)
 
     # -- logits processing ---------------------------------------------------------------
 
-    def _process(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Applies logit_bias, min_tokens and penalties to a copy; returns raw itself when none apply."""
+    def process_logits(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Float32 logits after logit_bias, min_tokens and penalties (before temperature and truncation).
+
+        Works on a copy; returns raw itself when nothing applies.
+        """
         bias_rows = [i for i, r in enumerate(rows) if r.params.logit_bias]
         min_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
         penalty_rows = [i for i, r in enumerate(rows) if _has_penalty(r.params)]

@@ -1,0 +1,287 @@
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplingRow, compute_logprobs, gather_logprobs, make_generator
+from engine.sampling_params import SamplingParams
+
+EOS = 2
+VOCAB = 50
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
+def row(params=None, prompt=(), output=(), generator=None, **kwargs):
+    params = params or SamplingParams(**kwargs)
+    return SamplingRow(params, list(prompt), list(output), generator)
+
+
+def sample(logits, rows, vocab=None):
+    return Sampler({EOS}, vocab or logits.shape[-1])(logits, rows)
+
+
+def random_logits(batch, vocab=VOCAB, seed=0, device="cpu"):
+    return (torch.randn(batch, vocab, generator=torch.Generator().manual_seed(seed)) * 3).to(device)
+
+
+def frequencies(logits_row, params, draws=20000):
+    """Empirical distribution of draws from one row of logits (a batch of identical rows)."""
+    torch.manual_seed(0)
+    logits = logits_row.expand(draws, -1).clone()
+    tokens = torch.tensor([t.token_id for t in sample(logits, [row(params) for _ in range(draws)])])
+    return torch.bincount(tokens, minlength=logits.shape[-1]).float() / draws
+
+
+# -- choosing ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_of_each_row(device):
+    logits = random_logits(8, device=device)
+    tokens = [t.token_id for t in sample(logits, [row(temperature=0.0) for _ in range(8)])]
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_top_k_one_equals_greedy():
+    logits = random_logits(16, seed=1)
+    tokens = [t.token_id for t in sample(logits, [row(top_k=1, temperature=1.5) for _ in range(16)])]
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_top_p_equals_greedy():
+    logits = random_logits(16, seed=2)
+    tokens = [t.token_id for t in sample(logits, [row(top_p=1e-6) for _ in range(16)])]
+    assert tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_temperature_one_draws_from_the_softmax():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    freq = frequencies(probs.log(), SamplingParams(temperature=1.0))
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_temperature_flattens_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    freq = frequencies(probs.log(), SamplingParams(temperature=2.0))
+    expected = probs.sqrt() / probs.sqrt().sum()
+    assert torch.allclose(freq, expected, atol=0.015)
+
+
+def test_top_k_renormalizes_over_the_k_most_likely():
+    probs = torch.tensor([0.1, 0.4, 0.2, 0.3])
+    freq = frequencies(probs.log(), SamplingParams(top_k=2))
+    assert torch.allclose(freq, torch.tensor([0.0, 4 / 7, 0.0, 3 / 7]), atol=0.015)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([0.15, 0.5, 0.05, 0.3])
+    freq = frequencies(probs.log(), SamplingParams(top_p=0.75))
+    assert torch.allclose(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.015)
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
+    probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
+    freq = frequencies(probs.log(), SamplingParams(min_p=0.5))
+    assert set(freq.nonzero().flatten().tolist()) == {0, 1}
+    assert torch.allclose(freq[:2], torch.tensor([4 / 7, 3 / 7]), atol=0.015)
+
+
+def test_greedy_rows_are_unaffected_by_random_rows_in_the_batch():
+    logits = random_logits(6, seed=3)
+    rows = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0) for i in range(6)]
+    tokens = [t.token_id for t in sample(logits, rows)]
+    assert tokens[::2] == logits[::2].argmax(dim=-1).tolist()
+
+
+def test_padded_vocabulary_columns_are_never_chosen():
+    logits = torch.zeros(4, 12)
+    logits[:, 10:] = 100.0  # columns past the real vocabulary
+    tokens = [t.token_id for t in sample(logits, [row(temperature=0.0)] * 2 + [row()] * 2, vocab=10)]
+    assert all(t < 10 for t in tokens)
+
+
+# -- seeds ---------------------------------------------------------------------------------
+
+
+def run_steps(device, batch_of_step, steps=30):
+    """Samples `steps` tokens; batch_of_step(step, logits_for_target) gives (logits, rows, target_index)."""
+    tokens = []
+    for step in range(steps):
+        target_logits = random_logits(1, seed=100 + step, device=device)
+        logits, rows, index = batch_of_step(step, target_logits)
+        tokens.append(sample(logits, rows)[index].token_id)
+    return tokens
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_gives_the_same_tokens_whatever_else_is_in_the_batch(device):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=20, seed=1234)
+
+    def alone(step, target):
+        return target, [row(params, generator=alone_gen)], 0
+
+    def crowded(step, target):
+        others = random_logits(5, seed=step, device=device)
+        logits = torch.cat([others[:3], target, others[3:]])
+        rows = [
+            row(temperature=1.0),
+            row(SamplingParams(temperature=0.5, top_p=0.5, seed=99), generator=other_gen),
+            row(temperature=0.0),
+            row(params, generator=crowded_gen),
+            row(min_p=0.1),
+            row(temperature=1.3, top_k=5),
+        ]
+        return logits, rows, 3
+
+    alone_gen = make_generator(1234, 0, device)
+    crowded_gen = make_generator(1234, 0, device)
+    other_gen = make_generator(99, 0, device)
+    assert run_steps(device, alone) == run_steps(device, crowded)
+
+
+def test_different_seeds_give_different_tokens():
+    params = SamplingParams(temperature=1.0)
+    gens = [make_generator(1, 0, "cpu"), make_generator(2, 0, "cpu")]
+    runs = [run_steps("cpu", lambda step, target, g=g: (target, [row(params, generator=g)], 0)) for g in gens]
+    assert runs[0] != runs[1]
+
+
+def test_generator_streams_differ_by_completion_index():
+    a, b, again = make_generator(7, 0, "cpu"), make_generator(7, 1, "cpu"), make_generator(7, 0, "cpu")
+    first = torch.rand(8, generator=a)
+    assert not torch.equal(first, torch.rand(8, generator=b))
+    assert torch.equal(first, torch.rand(8, generator=again))
+
+
+# -- logits processing ---------------------------------------------------------------------
+
+
+def processed(logits, rows):
+    return Sampler({EOS}, logits.shape[-1]).process_logits(logits, rows)
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -0.5]])
+    out = processed(logits, [row(prompt=[0], output=[1, 4], repetition_penalty=2.0)])
+    assert torch.equal(out, torch.tensor([[1.0, -2.0, 0.5, 3.0, -1.0]]))
+
+
+def test_repetition_penalty_changes_the_greedy_choice():
+    logits = torch.tensor([[2.0, 1.5]])
+    assert sample(logits, [row(prompt=[0], temperature=0.0, repetition_penalty=1.5)])[0].token_id == 1
+    assert sample(logits, [row(prompt=[0], temperature=0.0, repetition_penalty=1.2)])[0].token_id == 0
+
+
+def test_frequency_and_presence_penalties_count_output_tokens_only():
+    logits = torch.zeros(1, 5)
+    out = processed(logits, [row(prompt=[3, 3], output=[1, 1, 2], frequency_penalty=0.5, presence_penalty=0.25)])
+    assert torch.equal(out, torch.tensor([[0.0, -1.25, -0.75, 0.0, 0.0]]))
+
+
+def test_penalties_apply_per_row():
+    logits = torch.ones(3, 4)
+    rows = [
+        row(output=[0], frequency_penalty=1.0),
+        row(output=[0]),
+        row(prompt=[1], output=[2], repetition_penalty=4.0),
+    ]
+    out = processed(logits, rows)
+    expected = torch.tensor([[0.0, 1, 1, 1], [1, 1, 1, 1], [1, 0.25, 0.25, 1]])
+    assert torch.equal(out, expected)
+
+
+def test_processing_leaves_the_callers_logits_alone():
+    logits = torch.ones(1, 4)
+    processed(logits, [row(output=[0], presence_penalty=1.0, logit_bias={1: 2.0})])
+    assert torch.equal(logits, torch.ones(1, 4))
+
+
+def test_logit_bias_is_added_to_the_logits():
+    logits = torch.zeros(2, 4)
+    out = processed(logits, [row(logit_bias={1: 5.0, 3: -2.5}), row()])
+    assert torch.equal(out, torch.tensor([[0.0, 5.0, 0.0, -2.5], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_logit_bias_can_force_a_token():
+    logits = random_logits(1)
+    assert sample(logits, [row(logit_bias={7: 100.0})])[0].token_id == 7
+
+
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+    logits = torch.zeros(3, 6)
+    rows = [
+        row(output=[4], min_tokens=2, stop_token_ids=[5]),
+        row(output=[4, 4], min_tokens=2, stop_token_ids=[5]),
+        row(output=[4], min_tokens=2, stop_token_ids=[5], ignore_eos=True),
+    ]
+    out = processed(logits, rows)
+    inf = float("-inf")
+    assert torch.equal(out[0], torch.tensor([0, 0, inf, 0, 0, inf]))
+    assert torch.equal(out[1], torch.zeros(6))
+    assert torch.equal(out[2], torch.tensor([0, 0, 0, 0, 0, inf]))
+
+
+def test_min_tokens_keeps_greedy_off_eos():
+    logits = torch.tensor([[0.0, 1.0, 9.0]])
+    assert sample(logits, [row(temperature=0.0, min_tokens=1)])[0].token_id == 1
+
+
+def test_out_of_vocabulary_logit_bias_is_rejected_up_front():
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampler({EOS}, VOCAB).validate(SamplingParams(logit_bias={VOCAB: 1.0}))
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def test_logprob_is_the_raw_log_softmax_of_the_chosen_token():
+    logits = random_logits(4, seed=5)
+    rows = [
+        row(temperature=0.0),
+        row(temperature=0.7, presence_penalty=1.0, output=[1, 2]),
+        row(top_k=3, repetition_penalty=1.3, prompt=[0]),
+        row(logit_bias={9: 50.0}),
+    ]
+    expected = torch.log_softmax(logits, dim=-1)
+    for i, token in enumerate(sample(logits, rows)):
+        assert token.logprob == pytest.approx(expected[i, token.token_id].item(), abs=1e-5)
+        assert token.top_logprobs is None
+
+
+def test_top_logprobs_are_the_k_most_likely_raw_tokens_plus_the_chosen_one():
+    logits = random_logits(1, seed=6)
+    expected = torch.log_softmax(logits[0], dim=-1)
+    least_likely = int(expected.argmin())
+    [token] = sample(logits, [row(temperature=0.0, logprobs=3, logit_bias={least_likely: 1000.0})])
+    assert token.token_id == least_likely
+    top3 = expected.topk(3).indices.tolist()
+    assert list(token.top_logprobs) == top3 + [least_likely]
+    for token_id, lp in token.top_logprobs.items():
+        assert lp == pytest.approx(expected[token_id].item(), abs=1e-6)
+
+
+def test_top_logprobs_hold_k_entries_when_the_chosen_token_is_among_them():
+    logits = random_logits(2, seed=7)
+    tokens = sample(logits, [row(temperature=0.0, logprobs=4), row(temperature=0.0, logprobs=1)])
+    assert len(tokens[0].top_logprobs) == 4 and len(tokens[1].top_logprobs) == 1
+    assert tokens[1].top_logprobs == {tokens[1].token_id: pytest.approx(tokens[1].logprob)}
+
+
+def test_zero_logprobs_reports_only_the_chosen_token():
+    logits = random_logits(1, seed=8)
+    [token] = sample(logits, [row(logprobs=0)])
+    assert list(token.top_logprobs) == [token.token_id]
+
+
+def test_compute_logprobs_is_float32_log_softmax():
+    logits = random_logits(3).to(torch.bfloat16)
+    out = compute_logprobs(logits)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, torch.log_softmax(logits.float(), dim=-1))
+
+
+def test_gather_logprobs_reports_prompt_tokens_with_their_top_alternatives():
+    logprobs = compute_logprobs(random_logits(3, seed=9))
+    targets = [int(logprobs[0].argmin()), int(logprobs[1].argmax()), 4]
+    entries = gather_logprobs(logprobs, targets, 2)
+    for entry, lp_row, target in zip(entries, logprobs, targets):
+        assert set(entry) == set(lp_row.topk(2).indices.tolist()) | {target}
+        assert entry[target] == pytest.approx(lp_row[target].item())
