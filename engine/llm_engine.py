@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -14,8 +14,8 @@ from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
 from .model_loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model_dir
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from .sampler import Sampler, SamplingRow, compute_logprobs, make_generator
+from .outputs import CompletionOutput, RequestOutput
+from .sampler import Sampler, SamplingRow, compute_logprobs, gather_logprobs, make_generator
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import Request, Sequence, SequenceStatus
@@ -155,6 +155,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         self._check_prompt(token_ids, params)
+        self.sampler.validate(params)
         if lora_request is not None:
             if self.lora_manager is None:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not "
@@ -253,7 +254,7 @@ class LLMEngine:
             hidden = result.hidden[result.starts[i]:result.starts[i] + end - start]
             logprobs = compute_logprobs(self.model.compute_logits(hidden))
             targets = seq.token_ids[start + 1:end + 1]
-            record.extend(_position_logprobs(logprobs, targets, request.params.prompt_logprobs))
+            record.extend(gather_logprobs(logprobs, targets, request.params.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token) -> None:
         params = seq.request.params
@@ -311,18 +312,4 @@ class LLMEngine:
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    from dataclasses import replace
-
     return replace(params, max_tokens=max_tokens)
-
-
-def _position_logprobs(logprobs: torch.Tensor, targets: list[int], top: int) -> list[PositionLogprobs]:
-    """For each row, the target token's logprob plus the `top` most likely tokens."""
-    chosen = logprobs.gather(1, torch.tensor(targets, device=logprobs.device)[:, None]).squeeze(1).tolist()
-    result = [{t: lp} for t, lp in zip(targets, chosen)]
-    if top > 0:
-        values, indices = logprobs.topk(top, dim=-1)
-        for entry, vals, idxs in zip(result, values.tolist(), indices.tolist()):
-            for v, i in zip(vals, idxs):
-                entry.setdefault(i, v)
-    return result

@@ -1,0 +1,111 @@
+"""Continuous batching: batched, preempted and aborted requests give the tokens a lone run gives."""
+from __future__ import annotations
+
+import torch
+
+from engine import LLM, SamplingParams
+from tests.engine.conftest import make_engine, run_to_completion
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is Paris. The capital of Italy is",
+    "def add(a, b):",
+    "SELECT name FROM users WHERE age > 30; SELECT",
+    "Ahoy matey",
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def _alone(engine, prompt, params=GREEDY):
+    engine.add_request(prompt, params)
+    (output,) = run_to_completion(engine).values()
+    return output.outputs[0].token_ids
+
+
+def test_batched_greedy_equals_one_at_a_time(llama_engine):
+    alone = [_alone(llama_engine, p) for p in PROMPTS]
+    ids = [llama_engine.add_request(p, GREEDY) for p in PROMPTS]
+    batched = run_to_completion(llama_engine)
+    assert [batched[i].outputs[0].token_ids for i in ids] == alone
+
+
+def test_greedy_equals_transformers_generate(llama_engine, hf_llama):
+    tokenizer = llama_engine.tokenizer
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            ref = hf_llama.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert _alone(llama_engine, prompt) == ref[0, ids.shape[1]:].tolist()
+
+
+def test_requests_join_a_running_batch(llama_engine):
+    first = llama_engine.add_request(PROMPTS[0], GREEDY)
+    llama_engine.step()
+    llama_engine.step()
+    second = llama_engine.add_request(PROMPTS[1], GREEDY)
+    plan_sizes = []
+    outputs = {}
+    while llama_engine.has_unfinished_requests():
+        plan_sizes.append(len(llama_engine.scheduler.running))
+        outputs.update({o.request_id: o for o in llama_engine.step() if o.finished})
+    assert max(plan_sizes) == 2
+    assert outputs[first].outputs[0].token_ids == _alone(llama_engine, PROMPTS[0])
+    assert outputs[second].outputs[0].token_ids == _alone(llama_engine, PROMPTS[1])
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_llama, llama_engine):
+    chunked = make_engine(tiny_llama, max_num_batched_tokens=5)
+    assert [_alone(chunked, p) for p in PROMPTS] == [_alone(llama_engine, p) for p in PROMPTS]
+
+
+def test_preemption_recomputes_and_finishes_with_the_same_tokens(tiny_llama, llama_engine):
+    expected = [_alone(llama_engine, p) for p in PROMPTS]
+    small = make_engine(tiny_llama, block_size=4, num_kv_blocks=12)
+    ids = [small.add_request(p, GREEDY) for p in PROMPTS]
+    finished = run_to_completion(small)
+    assert small.scheduler.num_preemptions > 0
+    assert [finished[i].outputs[0].token_ids for i in ids] == expected
+    assert small.allocator.num_used == 0
+
+
+def test_abort_frees_every_block(llama_engine):
+    ids = [llama_engine.add_request(p, GREEDY) for p in PROMPTS]
+    llama_engine.step()
+    llama_engine.step()
+    assert llama_engine.allocator.num_used > 0
+    for request_id in ids:
+        output = llama_engine.abort(request_id)
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+    assert llama_engine.allocator.num_used == 0
+    assert not llama_engine.has_unfinished_requests()
+    assert not llama_engine.scheduler.running and not llama_engine.scheduler.waiting
+
+
+def test_seeded_sampling_is_the_same_whatever_the_batch(llama_engine):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = _alone(llama_engine, PROMPTS[2], seeded)
+    noisy = SamplingParams(temperature=1.2, max_tokens=16, ignore_eos=True)
+    others = [llama_engine.add_request(p, noisy) for p in PROMPTS[:2]]
+    target = llama_engine.add_request(PROMPTS[2], seeded)
+    others.append(llama_engine.add_request(PROMPTS[3], SamplingParams(temperature=0.7, seed=7, max_tokens=5)))
+    finished = run_to_completion(llama_engine)
+    assert finished[target].outputs[0].token_ids == alone
+
+
+def test_prompt_and_max_tokens_past_the_context_window_is_refused(tiny_llama):
+    engine = make_engine(tiny_llama, max_model_len=32)
+    prompt = list(range(10, 30))
+    try:
+        engine.add_request(prompt, SamplingParams(max_tokens=20))
+    except ValueError as exc:
+        assert "maximum context length is 32" in str(exc)
+    else:
+        raise AssertionError("expected ValueError")
+    assert not engine.has_unfinished_requests()
+
+
+def test_llm_generate_returns_outputs_in_prompt_order(tiny_llama):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu")
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.prompt for o in outputs] == PROMPTS
+    assert [o.outputs[0].token_ids for o in outputs] == [_alone(llm.engine, p) for p in PROMPTS]
