@@ -1,4 +1,4 @@
-"""Check that an adapter was trained for the served model's architecture (TGI: refuse if not, warn on another checkpoint)."""
+"""Check an adapter's base against the served model (TGI: other architecture refused, other checkpoint warned)."""
 from __future__ import annotations
 
 import json

@@ -66,8 +66,9 @@ def load_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = Fal
     grouped = group_lora_tensors(read_tensors(directory, allow_pickle=allow_pickle))
     for module in grouped:
         if module not in plans:
-            where = "is not targeted by adapter_config.json" if module in model.module_shapes else "has no LoRA path in this model"
-            raise AdapterError(f"Adapter weights include {module}, which {where}.")
+            if module in model.module_shapes:
+                raise AdapterError(f"Adapter weights include {module}, which is not targeted by adapter_config.json.")
+            raise AdapterError(f"Adapter weights include {module}, which has no LoRA path in this model.")
     modules = {
         module: _module_weights(module, plan, grouped.get(module, {}), model.module_shapes[module])
         for module, plan in plans.items()

@@ -59,7 +59,9 @@ def check_supported(config: dict) -> None:
     """Refuse adapters that are not plain LoRA (DoRA, extra trained modules, biases, other peft methods)."""
     peft_type = config.get("peft_type")
     if peft_type != "LORA":
-        raise AdapterError(f"Only LoRA adapters are supported: adapter_config.json has peft_type {peft_type!r}, not 'LORA'.")
+        raise AdapterError(
+            f"Only LoRA adapters are supported: adapter_config.json has peft_type {peft_type!r}, not 'LORA'."
+        )
     if config.get("use_dora"):
         raise AdapterError("DoRA adapters (use_dora: true) are not supported.")
     if config.get("modules_to_save"):
@@ -142,7 +144,9 @@ def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
             try:
                 regex = re.compile(targets)
             except re.error as exc:
-                raise AdapterError(f"adapter_config.json: target_modules {targets!r} is not a valid regex: {exc}") from None
+                raise AdapterError(
+                    f"adapter_config.json: target_modules {targets!r} is not a valid regex: {exc}"
+                ) from None
             for module in NO_LORA_PATH_MODULES:
                 if regex.fullmatch(module):
                     raise AdapterError(
@@ -163,11 +167,14 @@ def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
         ]
     else:
         raise AdapterError(
-            f"adapter_config.json: target_modules must be a non-empty list of module names or a regex string, got {targets!r}."
+            "adapter_config.json: target_modules must be a non-empty list of module names or a regex string, "
+            f"got {targets!r}."
         )
     matched = [m for m in matched if not _excluded(config, m)]
     if not matched:
-        raise AdapterError(f"target_modules {targets!r} matches no LoRA-capable module of this model (supported: {supported}).")
+        raise AdapterError(
+            f"target_modules {targets!r} matches no LoRA-capable module of this model (supported: {supported})."
+        )
     return matched
 
 

@@ -1,4 +1,4 @@
-"""Read a peft adapter's weight file into {module: {"A": tensor, "B": tensor}}, refusing anything that is not LoRA A/B."""
+"""Read a peft adapter's weight file into {module: {"A": A, "B": B}}; anything that is not LoRA A/B is refused."""
 from __future__ import annotations
 
 import re

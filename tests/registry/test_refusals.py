@@ -84,7 +84,8 @@ def test_trained_bias_is_refused(adapter_copy, model_info, bias):
 
 
 def test_lora_bias_is_refused(adapter_copy, model_info):
-    assert refusal(adapter_copy(lora_bias=True), model_info) == "Adapters with a LoRA bias (lora_bias: true) are not supported."
+    message = refusal(adapter_copy(lora_bias=True), model_info)
+    assert message == "Adapters with a LoRA bias (lora_bias: true) are not supported."
 
 
 def test_layer_replication_is_refused(adapter_copy, model_info):
@@ -127,7 +128,10 @@ def test_different_model_type_of_local_base_is_refused(adapter_copy, model_info,
     qwen = make_tiny_model(tmp_path / "qwen", arch="qwen2")
     adapter = adapter_copy(base_model_name_or_path=str(qwen), auto_mapping=None)
     message = refusal(adapter, model_info)
-    assert message == f"Adapter {adapter} was trained for a 'qwen2' model ({qwen}), but the served model is 'llama' (LlamaForCausalLM)."
+    assert message == (
+        f"Adapter {adapter} was trained for a 'qwen2' model ({qwen}), "
+        "but the served model is 'llama' (LlamaForCausalLM)."
+    )
 
 
 def test_same_architecture_other_checkpoint_warns_and_loads(adapter_copy, model_info, caplog):
@@ -177,13 +181,15 @@ def test_pickle_weights_are_refused_by_default(adapter_copy, model_info):
 def test_pickle_weights_load_when_allowed(adapter_copy, good_adapter, model_info):
     loaded = load_adapter(pickle_adapter(adapter_copy()), model_info, allow_pickle=True)
     expected = load_adapter(good_adapter, model_info)
-    assert torch.equal(loaded.modules["model.layers.0.self_attn.q_proj"].lora_b, expected.modules["model.layers.0.self_attn.q_proj"].lora_b)
+    q0 = "model.layers.0.self_attn.q_proj"
+    assert torch.equal(loaded.modules[q0].lora_b, expected.modules[q0].lora_b)
 
 
 def test_corrupt_pickle_is_refused_even_when_allowed(adapter_copy, model_info):
     adapter = pickle_adapter(adapter_copy())
     (adapter / "adapter_model.bin").write_bytes(b"\x80\x04garbage")
-    assert "adapter_model.bin is corrupt or not a weights-only state dict" in refusal(adapter, model_info, allow_pickle=True)
+    message = refusal(adapter, model_info, allow_pickle=True)
+    assert "adapter_model.bin is corrupt or not a weights-only state dict" in message
 
 
 def test_wrong_tensor_shape_is_refused_naming_module_expected_and_got(adapter_copy, model_info):
@@ -202,19 +208,33 @@ def test_missing_lora_b_is_refused(adapter_copy, model_info):
 def test_targeted_module_without_weights_is_refused(adapter_copy, model_info):
     adapter = adapter_copy()
     rewrite_weights(adapter, lambda t: [t.pop(f"{Q0}.lora_{side}.weight") for side in "AB"])
-    assert refusal(adapter, model_info) == "Adapter weights for model.layers.0.self_attn.q_proj are missing lora_A and lora_B."
+    message = refusal(adapter, model_info)
+    assert message == "Adapter weights for model.layers.0.self_attn.q_proj are missing lora_A and lora_B."
 
 
 def test_weights_for_untargeted_module_are_refused(adapter_copy, model_info):
     adapter = adapter_copy(target_modules=["k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
-    assert refusal(adapter, model_info) == "Adapter weights include model.layers.0.self_attn.q_proj, which is not targeted by adapter_config.json."
+    message = refusal(adapter, model_info)
+    assert message == (
+        "Adapter weights include model.layers.0.self_attn.q_proj, which is not targeted by adapter_config.json."
+    )
+
+
+def test_lora_weights_for_module_without_lora_path_are_refused(adapter_copy, model_info):
+    adapter = adapter_copy()
+    extra = {"lm_head.lora_A.weight": torch.zeros(8, 64), "lm_head.lora_B.weight": torch.zeros(384, 8)}
+    rewrite_weights(adapter, lambda t: t.update({f"base_model.model.{k}": v for k, v in extra.items()}))
+    assert refusal(adapter, model_info) == "Adapter weights include lm_head, which has no LoRA path in this model."
 
 
 def test_full_embedding_weights_in_file_are_refused(adapter_copy, model_info):
     adapter = adapter_copy()
     rewrite_weights(adapter, lambda t: t.update({"base_model.model.model.embed_tokens.weight": torch.zeros(4, 64)}))
     message = refusal(adapter, model_info)
-    assert message == "weight file has non-LoRA tensor base_model.model.model.embed_tokens.weight (trained base weights are not supported)."
+    assert message == (
+        "weight file has non-LoRA tensor base_model.model.model.embed_tokens.weight "
+        "(trained base weights are not supported)."
+    )
 
 
 def test_dora_magnitude_in_weights_is_refused(adapter_copy, model_info):

@@ -26,7 +26,7 @@ def test_home_relative_directory_is_expanded(good_adapter, monkeypatch):
     assert resolve_adapter_path(f"~/{good_adapter.name}") == good_adapter.resolve()
 
 
-@pytest.mark.parametrize("path", ["/no/such/adapter", "./no-such-adapter", "../no-such-adapter", "~/no-such-adapter", "a/b/c"])
+@pytest.mark.parametrize("path", ["/no/such/adapter", "./no-such", "../no-such", "~/no-such", "a/b/c"])
 def test_missing_local_path_is_not_found(path):
     with pytest.raises(AdapterNotFoundError, match="does not exist"):
         resolve_adapter_path(path)

@@ -22,7 +22,7 @@ def test_tgi_name_path_and_revision():
 
 def test_tgi_comma_separated_entries_with_spaces():
     specs = parse_lora_adapters("a=/x, org/b@r1 ,c")
-    assert [(s.name, s.path, s.revision) for s in specs] == [("a", "/x", None), ("org/b", "org/b", "r1"), ("c", "c", None)]
+    assert specs == [AdapterSpec("a", "/x"), AdapterSpec("org/b", "org/b", "r1"), AdapterSpec("c", "c")]
 
 
 def test_tgi_empty_text_is_no_adapters():
