@@ -1,0 +1,87 @@
+"""The asyncio front: concurrent streams, cancellation, and errors reaching the caller."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, SamplingParams
+from tests.engine.conftest import run_to_completion
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def async_engine(tiny_llama):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu"))
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, prompt, params=PARAMS, request_id=None):
+    outputs = [o async for o in engine.generate(prompt, params, request_id=request_id)]
+    return outputs
+
+
+def test_concurrent_requests_match_the_offline_engine(async_engine, llama_engine):
+    prompts = ["Hello", "The capital of France", "def add(a, b):", "SELECT"]
+
+    async def main():
+        return await asyncio.gather(*(_collect(async_engine, p) for p in prompts))
+
+    streams = asyncio.run(main())
+    for prompt, stream in zip(prompts, streams):
+        llama_engine.add_request(prompt, PARAMS)
+        (expected,) = run_to_completion(llama_engine).values()
+        assert stream[-1].finished and not any(o.finished for o in stream[:-1])
+        assert stream[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+        lengths = [len(o.outputs[0].token_ids) for o in stream]
+        assert lengths == sorted(lengths)
+
+
+def test_cancelling_the_consumer_aborts_and_frees_blocks(async_engine):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in async_engine.generate("Hello", SamplingParams(max_tokens=200, ignore_eos=True)):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = async_engine.stats()
+            if stats.num_running == 0 and stats.kv_blocks_used == 0:
+                return stats
+            await asyncio.sleep(0.02)
+        return async_engine.stats()
+
+    stats = asyncio.run(main())
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0
+
+
+def test_abort_by_request_id_ends_the_stream(async_engine):
+    async def main():
+        outputs = []
+        async for output in async_engine.generate("Hello", SamplingParams(max_tokens=200, ignore_eos=True),
+                                                  request_id="to-abort"):
+            outputs.append(output)
+            if len(outputs) == 2:
+                await async_engine.abort("to-abort")
+                break
+        return outputs
+
+    asyncio.run(main())
+    assert async_engine.stats().kv_blocks_used == 0
+
+
+def test_invalid_request_raises_in_the_caller(async_engine):
+    async def main():
+        return await _collect(async_engine, "x", SamplingParams(max_tokens=10_000))
+
+    with pytest.raises(ValueError, match="maximum context length"):
+        asyncio.run(main())
+    assert async_engine.stats().num_waiting == 0

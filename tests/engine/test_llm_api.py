@@ -1,0 +1,68 @@
+"""vLLM's offline API surface: argument forms and the errors raised before anything runs."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def lora_llm(tiny_llama):
+    return LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2)
+
+
+def test_token_id_prompts_and_string_prompts_agree(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ids = llm.get_tokenizer()("Hello world")["input_ids"]
+    by_text, by_ids = llm.generate(["Hello world", ids], params, use_tqdm=False)
+    assert by_text.outputs[0].token_ids == by_ids.outputs[0].token_ids
+    assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
+
+
+def test_a_list_of_sampling_params_applies_per_prompt(llm):
+    outputs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True),
+                                        SamplingParams(max_tokens=4, ignore_eos=True)], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [2, 4]
+
+
+def test_sampling_params_list_of_wrong_length_is_refused(llm):
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_lora_request_list_of_wrong_length_is_refused(lora_llm, tmp_path):
+    lora = LoRARequest("x", 1, str(tmp_path))
+    with pytest.raises(ValueError, match="lora_request"):
+        lora_llm.generate(["a", "b", "c"], SamplingParams(), lora_request=[lora, None], use_tqdm=False)
+    assert not lora_llm.engine.has_unfinished_requests()
+
+
+def test_one_int_id_for_two_adapters_is_refused(lora_llm, tmp_path):
+    first, second = LoRARequest("a", 1, str(tmp_path / "a")), LoRARequest("b", 1, str(tmp_path / "b"))
+    with pytest.raises(ValueError, match="lora_int_id 1"):
+        lora_llm.generate(["x", "y"], SamplingParams(), lora_request=[first, second], use_tqdm=False)
+
+
+def test_lora_request_without_enable_lora_is_refused(llm, tmp_path):
+    with pytest.raises(ValueError, match="enable_lora=True"):
+        llm.generate("x", SamplingParams(), lora_request=LoRARequest("a", 1, str(tmp_path)), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_chat_applies_the_chat_template(llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    tokenizer = llm.get_tokenizer()
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    (chat,) = llm.chat(messages, params, use_tqdm=False)
+    assert chat.prompt_token_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def test_max_cpu_loras_below_max_loras_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="max_cpu_loras"):
+        LLM(str(tiny_llama), device="cpu", enable_lora=True, max_loras=4, max_cpu_loras=2)
