@@ -1,0 +1,330 @@
+"""Triton multi-LoRA kernels: shrink `h = x @ A[slot]^T` and expand `y += h @ B[slot]^T`.
+
+Two paths per op, picked by batch size (`lora_tuning.choose_path`):
+- BGMV, one program per token: decode, where most tokens carry distinct adapters.
+- SGMV, one program per tile of same-slot tokens (from `LoRAMetadata`), a tensor-core dot
+  per tile: prefill and large batches, where a tile reads its adapter once for many rows.
+Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
+on shapes only and every launch reads its indices from device tensors, so the calls can be
+captured in a CUDA graph. h is float32; accumulation is float32.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import lora_tuning
+from kernels.lora_metadata import LoRAMetadata
+from kernels.lora_tuning import ExpandConfig, ShrinkConfig
+
+MAX_SLICES = 3
+
+
+@triton.jit
+def _shrink_bgmv_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, h_ptr,
+    K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    sl = pid_s // SPLIT_K
+    ks = pid_s % SPLIT_K
+    slot = tl.load(slots_ptr + tok)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    h_ptrs = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht + offs_r
+    if slot < 0:
+        if SPLIT_K == 1:
+            tl.store(h_ptrs, tl.zeros([BLOCK_R], dtype=tl.float32), mask=r_mask)
+        return
+    if sl == 0:
+        a_ptr = a0_ptr
+    elif sl == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
+    x_row = x_ptr + tok.to(tl.int64) * stride_xt
+    k_lo = ks * k_per_split
+    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            xv = tl.load(x_row + offs_k)
+            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None], other=0.0)
+        else:
+            k_mask = offs_k < K
+            xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
+    hv = tl.sum(acc, axis=1)
+    if SPLIT_K == 1:
+        tl.store(h_ptrs, hv, mask=r_mask)
+    else:
+        tl.atomic_add(h_ptrs, hv, mask=r_mask)
+
+
+@triton.jit
+def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
+    """acc + a @ b; DOT_F32 widens the operands first (the interpreter's dot mishandles bfloat16)."""
+    if DOT_F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _shrink_sgmv_kernel(
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
+    K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
+    NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    pid_r = tl.program_id(1)
+    ks = tl.program_id(2)
+    slot = tl.load(tile_slot_ptr + tile)
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    r_mask = offs_r < R
+    h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :]
+    h_mask = m_mask[:, None] & r_mask[None, :]
+    if slot < 0:
+        if SPLIT_K == 1:
+            for i in tl.static_range(NUM_SLICES):
+                tl.store(h_ptrs + i * stride_hn, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
+        return
+    a_offs = slot.to(tl.int64) * stride_as + offs_r[None, :] * K
+    x_rows = x_ptr + rows[:, None] * stride_xt
+    acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
+    k_lo = ks * k_per_split
+    for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x_mask = m_mask[:, None]
+            a_mask = r_mask[None, :]
+        else:
+            k_mask = offs_k < K
+            x_mask = m_mask[:, None] & k_mask[None, :]
+            a_mask = r_mask[None, :] & k_mask[:, None]
+        xv = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
+        a_ptrs = a_offs + offs_k[:, None]
+        acc0 = _dot_acc(acc0, xv, tl.load(a0_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
+        if NUM_SLICES > 1:
+            acc1 = _dot_acc(acc1, xv, tl.load(a1_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
+        if NUM_SLICES > 2:
+            acc2 = _dot_acc(acc2, xv, tl.load(a2_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
+    if SPLIT_K == 1:
+        tl.store(h_ptrs, acc0, mask=h_mask)
+        if NUM_SLICES > 1:
+            tl.store(h_ptrs + stride_hn, acc1, mask=h_mask)
+        if NUM_SLICES > 2:
+            tl.store(h_ptrs + 2 * stride_hn, acc2, mask=h_mask)
+    else:
+        tl.atomic_add(h_ptrs, acc0, mask=h_mask)
+        if NUM_SLICES > 1:
+            tl.atomic_add(h_ptrs + stride_hn, acc1, mask=h_mask)
+        if NUM_SLICES > 2:
+            tl.atomic_add(h_ptrs + 2 * stride_hn, acc2, mask=h_mask)
+
+
+@triton.jit
+def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01):
+    """Map a flat column-block index over all slices to (slice, block in slice, width, first column, B)."""
+    in1 = (j >= NB0).to(tl.int32)
+    in2 = (j >= NB01).to(tl.int32)
+    sl = in1 + in2
+    block = j - in1 * NB0 - in2 * (NB01 - NB0)
+    width = N0 + in1 * (N1 - N0) + in2 * (N2 - N1)
+    col = in1 * N0 + in2 * N1
+    if sl == 0:
+        b_ptr = b0_ptr
+    elif sl == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
+    return sl, block, width, col, b_ptr
+
+
+@triton.jit
+def _expand_bgmv_kernel(
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
+    R, N0, N1, N2, NB0, NB01, stride_hn, stride_ht, stride_yt,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    tok = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(slots_ptr + tok)
+    if slot < 0:
+        return
+    sl, block, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    b_rows = b_ptr + slot.to(tl.int64) * width * R + offs_n[:, None] * R
+    h_row = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
+        bv = tl.load(b_rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
+    y_ptrs = y_ptr + tok.to(tl.int64) * stride_yt + col + offs_n
+    yv = tl.load(y_ptrs, mask=n_mask, other=0.0)
+    tl.store(y_ptrs, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
+
+
+@triton.jit
+def _expand_sgmv_kernel(
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
+    R, N0, N1, N2, NB0, NB01, stride_hn, stride_ht, stride_yt,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    j = tl.program_id(1)
+    slot = tl.load(tile_slot_ptr + tile)
+    if slot < 0:
+        return
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    sl, block, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < length
+    rows = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
+    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < width
+    b_cols = b_ptr + slot.to(tl.int64) * width * R + offs_n[None, :] * R
+    h_rows = h_ptr + sl * stride_hn + rows[:, None] * stride_ht
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        bv = tl.load(b_cols + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
+    y_ptrs = y_ptr + rows[:, None] * stride_yt + col + offs_n[None, :]
+    y_mask = m_mask[:, None] & n_mask[None, :]
+    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
+    tl.store(y_ptrs, (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
+
+
+# Under TRITON_INTERPRET=1 (at import) the kernels are interpreted: dots of bfloat16 then go through float32.
+_INTERPRETED = not isinstance(_shrink_sgmv_kernel, triton.runtime.JITFunction)
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    return _INTERPRETED and dtype == torch.bfloat16
+
+
+def _pow2(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+def _padded(seq: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Pad a list of 1..3 tensors to exactly three kernel arguments (unused ones repeat the first)."""
+    if not 1 <= len(seq) <= MAX_SLICES:
+        raise ValueError(f"between 1 and {MAX_SLICES} slices are supported, got {len(seq)}")
+    return list(seq) + [seq[0]] * (MAX_SLICES - len(seq))
+
+
+def _check_tokens(meta: LoRAMetadata, num_tokens: int) -> None:
+    if meta.num_tokens != num_tokens:
+        raise ValueError(f"metadata was prepared for {meta.num_tokens} tokens, the input has {num_tokens}")
+
+
+def shrink_slices(
+    x: torch.Tensor,
+    a_slices: Sequence[torch.Tensor],
+    meta: LoRAMetadata,
+    out: torch.Tensor | None = None,
+    *,
+    path: str | None = None,
+    config: ShrinkConfig | None = None,
+) -> torch.Tensor:
+    """h[i] = x @ A_i[slot]^T for each slice i, float32 [n, T, R]; base rows are zero."""
+    num_tokens, k = x.shape
+    rank = a_slices[0].shape[1]
+    n = len(a_slices)
+    _check_tokens(meta, num_tokens)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    a_slices = [a.contiguous() for a in a_slices]
+    if out is None:
+        out = torch.empty(n, num_tokens, rank, dtype=torch.float32, device=x.device)
+    if num_tokens == 0:
+        return out
+    path = path or lora_tuning.choose_path(num_tokens)
+    cfg = config or lora_tuning.shrink_config(path, rank)
+    min_block = 16 if path == "sgmv" else 1
+    block_r = max(min_block, min(cfg.block_r, _pow2(rank)))
+    block_k = max(16, min(cfg.block_k, _pow2(k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), block_k) * block_k
+    even_k = k_per_split * cfg.split_k == k
+    if cfg.split_k > 1:
+        out.zero_()
+    a0, a1, a2 = _padded(a_slices)
+    common = (k, rank, x.stride(0), a0.stride(0), out.stride(0), out.stride(1), k_per_split)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if path == "bgmv":
+        grid = (num_tokens, triton.cdiv(rank, block_r), n * cfg.split_k)
+        _shrink_bgmv_kernel[grid](
+            x, a0, a1, a2, meta.slots, out, *common,
+            BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k, EVEN_K=even_k, **launch,
+        )
+    else:
+        grid = (meta.num_tiles, triton.cdiv(rank, block_r), cfg.split_k)
+        _shrink_sgmv_kernel[grid](
+            x, a0, a1, a2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, out, *common,
+            NUM_SLICES=n, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
+            EVEN_K=even_k, DOT_F32=_dot_f32(x.dtype), **launch,
+        )
+    return out
+
+
+def expand_slices(
+    y: torch.Tensor,
+    h: torch.Tensor,
+    b_slices: Sequence[torch.Tensor],
+    meta: LoRAMetadata,
+    *,
+    path: str | None = None,
+    config: ExpandConfig | None = None,
+) -> None:
+    """y[:, off_i:off_i + N_i] += h[i] @ B_i[slot]^T in place for each slice i; base rows untouched."""
+    num_tokens = y.shape[0]
+    _check_tokens(meta, num_tokens)
+    if num_tokens == 0:
+        return
+    if y.stride(1) != 1:
+        raise ValueError("y must have unit stride along its columns")
+    rank = b_slices[0].shape[2]
+    b_slices = [b.contiguous() for b in b_slices]
+    path = path or lora_tuning.choose_path(num_tokens)
+    cfg = config or lora_tuning.expand_config(path, rank)
+    min_block = 16 if path == "sgmv" else 1
+    block_r = max(min_block, min(cfg.block_r, _pow2(rank)))
+    widths = [b.shape[1] for b in b_slices] + [0] * (MAX_SLICES - len(b_slices))
+    blocks = [triton.cdiv(w, cfg.block_n) for w in widths]
+    b0, b1, b2 = _padded(b_slices)
+    common = (rank, *widths, blocks[0], blocks[0] + blocks[1], h.stride(0), h.stride(1), y.stride(0))
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if path == "bgmv":
+        _expand_bgmv_kernel[(num_tokens, sum(blocks))](
+            h, b0, b1, b2, meta.slots, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r, **launch,
+        )
+    else:
+        _expand_sgmv_kernel[(meta.num_tiles, sum(blocks))](
+            h, b0, b1, b2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, y, *common,
+            BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, DOT_F32=_dot_f32(y.dtype), **launch,
+        )
