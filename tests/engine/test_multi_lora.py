@@ -1,0 +1,155 @@
+"""Mixed-adapter batches against transformers + peft, and adapter residency (slots, host cache)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine import LLM, LoRARequest, SamplingParams
+from tests.engine.conftest import run_to_completion
+from tests.tiny_models import make_peft_adapter
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAPTERS = {
+    "r4-attention": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seed=11),
+    "r8-rslora-mlp": dict(r=8, lora_alpha=16, target_modules=["gate_proj", "up_proj", "down_proj"],
+                          use_rslora=True, seed=12),
+    "r16-all": dict(r=16, lora_alpha=32, target_modules=ALL, seed=13),
+    "r8-alpha-pattern": dict(r=8, lora_alpha=8, target_modules=ALL, seed=14,
+                             alpha_pattern={"o_proj": 32, "down_proj": 2}, rank_pattern={"k_proj": 4}),
+}
+PROMPTS = ["Hello world", "The capital of France is", "def add(a, b):", "SELECT name FROM", "Ahoy matey, the"]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return [LoRARequest(name, i + 1, str(make_peft_adapter(tiny_llama, root / name, **kwargs)))
+            for i, (name, kwargs) in enumerate(ADAPTERS.items())]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, adapters):
+    """(tokens, logprobs) per (prompt, adapter) from transformers + peft, one request at a time."""
+    import peft
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tiny_llama))
+    results = {}
+    for lora in [None, *adapters]:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+        if lora is not None:
+            model = peft.PeftModel.from_pretrained(model, lora.lora_path)
+        model.eval()
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
+                                     pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+            tokens = out.sequences[0, ids.shape[1]:].tolist()
+            logprobs = [torch.log_softmax(s[0].float(), -1)[t].item() for s, t in zip(out.scores, tokens)]
+            results[(prompt, lora.lora_name if lora else None)] = (tokens, logprobs)
+    return results
+
+
+def _mixed_batch(adapters):
+    """Every prompt with every adapter and with the base model, interleaved in one batch."""
+    prompts, loras = [], []
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(len(adapters) + 1):
+            prompts.append(prompt)
+            loras.append([None, *adapters][(i + j) % (len(adapters) + 1)])
+    return prompts, loras
+
+
+def _check_against_reference(outputs, loras, reference):
+    for output, lora in zip(outputs, loras):
+        tokens, logprobs = reference[(output.prompt, lora.lora_name if lora else None)]
+        completion = output.outputs[0]
+        assert completion.token_ids == tokens, (output.prompt, lora)
+        ours = [entry[t] for entry, t in zip(completion.logprobs, completion.token_ids)]
+        assert ours == pytest.approx(logprobs, abs=1e-3)
+
+
+PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
+
+
+def test_mixed_adapter_batch_matches_peft_token_for_token(tiny_llama, adapters, reference):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16)
+    prompts, loras = _mixed_batch(adapters)
+    outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+    _check_against_reference(outputs, loras, reference)
+
+
+def test_adapters_differ_from_the_base_model(reference, adapters):
+    for prompt in PROMPTS[:2]:
+        base = reference[(prompt, None)][0]
+        assert all(reference[(prompt, lora.lora_name)][0] != base for lora in adapters)
+
+
+def test_more_adapters_than_slots_all_finish_correctly(tiny_llama, adapters, reference):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_cpu_loras=2)
+    prompts, loras = _mixed_batch(adapters)
+    outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+    _check_against_reference(outputs, loras, reference)
+    assert llm.engine.lora_manager.slot_usage()[0] <= 2
+
+
+def test_host_cache_keeps_at_most_max_cpu_loras(tiny_llama, adapters):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+              max_cpu_loras=2)
+    llm.generate(PROMPTS[:4], PARAMS, lora_request=adapters, use_tqdm=False)
+    status = llm.engine.lora_manager.status()
+    assert sum(entry.in_cpu for entry in status.values()) <= 2
+    assert sum(entry.slot is not None for entry in status.values()) == 1
+    assert all(entry.running == 0 for entry in status.values())
+
+
+def test_a_waiting_adapter_is_not_starved(tiny_llama, adapters):
+    """One slot, a stream of requests for adapter A, one request for B: B still finishes."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16)
+    engine = llm.engine
+    first, second = adapters[0], adapters[1]
+    engine.add_request("Hello", PARAMS, first)
+    starving = engine.add_request("Hello", PARAMS, second)
+    finished = {}
+    for step in range(400):
+        if step % 2 == 0:
+            engine.add_request("Hello", PARAMS, first)
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        if starving in finished:
+            break
+    assert starving in finished
+    run_to_completion(engine)
+
+
+def test_unload_lets_running_requests_finish_then_frees_everything(tiny_llama, adapters, reference):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    engine, lora = llm.engine, adapters[2]
+    request_id = engine.add_request(PROMPTS[0], PARAMS, lora)
+    engine.step()
+    engine.lora_manager.remove(lora.lora_int_id)
+    assert engine.lora_manager.status()[lora.lora_int_id].running == 1
+    (output,) = run_to_completion(engine).values()
+    assert output.request_id == request_id
+    assert output.outputs[0].token_ids == reference[(PROMPTS[0], lora.lora_name)][0]
+    assert lora.lora_int_id not in engine.lora_manager.status()
+    assert engine.lora_manager.slot_usage()[0] == 0
+    with pytest.raises(ValueError, match="unloaded"):
+        engine.add_request(PROMPTS[0], PARAMS, lora)
+
+
+def test_reload_in_place_gives_new_weights_to_new_requests_only(tiny_llama, adapters, reference):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    engine = llm.engine
+    old, replacement = adapters[0], adapters[1]
+    running = engine.add_request(PROMPTS[1], PARAMS, old)
+    engine.step()
+    new = LoRARequest(old.lora_name, 99, replacement.lora_path)
+    engine.lora_manager.add(new)
+    engine.lora_manager.remove(old.lora_int_id)
+    fresh = engine.add_request(PROMPTS[1], PARAMS, new)
+    finished = run_to_completion(engine)
+    assert finished[running].outputs[0].token_ids == reference[(PROMPTS[1], old.lora_name)][0]
+    assert finished[fresh].outputs[0].token_ids == reference[(PROMPTS[1], replacement.lora_name)][0]
