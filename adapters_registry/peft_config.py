@@ -132,6 +132,13 @@ def _list_target_matches(entry: str, module: str) -> bool:
     return module == entry or module.endswith(f".{entry}")
 
 
+def _listed(targets: list[str], config: dict, module: str) -> bool:
+    """peft's list matching: an exact name always counts; a suffix match is subject to the layer filter."""
+    if module in targets:
+        return True
+    return any(module.endswith(f".{t}") for t in targets) and _layer_index_ok(config, module)
+
+
 def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
     """The base modules peft would wrap, in model order; targets without a LoRA path are refused."""
     targets = config.get("target_modules")
@@ -141,12 +148,7 @@ def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
         if targets == "all-linear":
             matched = names
         else:
-            try:
-                regex = re.compile(targets)
-            except re.error as exc:
-                raise AdapterError(
-                    f"adapter_config.json: target_modules {targets!r} is not a valid regex: {exc}"
-                ) from None
+            regex = re.compile(targets)
             for module in NO_LORA_PATH_MODULES:
                 if regex.fullmatch(module):
                     raise AdapterError(
@@ -155,16 +157,12 @@ def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
                     )
             matched = [m for m in names if regex.fullmatch(m)]
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        if "all-linear" in targets:
-            targets = [t for t in targets if t != "all-linear"] + list(LORA_PROJECTIONS)
         for entry in targets:
             if not any(_list_target_matches(entry, m) for m in names):
                 raise AdapterError(
                     f"target module {entry!r} has no LoRA path in this model (supported: {supported})."
                 )
-        matched = [
-            m for m in names if any(_list_target_matches(t, m) for t in targets) and _layer_index_ok(config, m)
-        ]
+        matched = [m for m in names if _listed(targets, config, m)]
     else:
         raise AdapterError(
             "adapter_config.json: target_modules must be a non-empty list of module names or a regex string, "
@@ -178,8 +176,41 @@ def targeted_modules(config: dict, model: ModelInfo) -> list[str]:
     return matched
 
 
+def _is_str_or_str_list(value: object) -> bool:
+    return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+
+
+def _check_field_types(config: dict) -> None:
+    """Refuse malformed selection fields up front so matching below never trips over them."""
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise AdapterError(f"adapter_config.json: {key} must be an object, got {config[key]!r}.")
+    for key in ("layers_pattern", "exclude_modules"):
+        if config.get(key) is not None and not _is_str_or_str_list(config[key]):
+            raise AdapterError(
+                f"adapter_config.json: {key} must be a string or a list of strings, got {config[key]!r}."
+            )
+    layers = config.get("layers_to_transform")
+    is_int = isinstance(layers, int) and not isinstance(layers, bool)
+    is_int_list = isinstance(layers, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in layers)
+    if layers is not None and not (is_int or is_int_list):
+        raise AdapterError(f"adapter_config.json: layers_to_transform must be an integer or a list, got {layers!r}.")
+
+
 def plan_modules(config: dict, model: ModelInfo) -> dict[str, ModulePlan]:
     """Per targeted module, the rank and scaling peft would use (rank_pattern / alpha_pattern / rsLoRA)."""
+    _check_field_types(config)
+    try:
+        plans = _plan(config, model)
+    except re.error as exc:
+        raise AdapterError(f"adapter_config.json has an invalid regex pattern {exc.pattern!r}: {exc}") from None
+    max_rank = max(plan.rank for plan in plans.values())
+    if max_rank > model.max_lora_rank:
+        raise AdapterError(f"LoRA rank {max_rank} is greater than max_lora_rank {model.max_lora_rank}.")
+    return plans
+
+
+def _plan(config: dict, model: ModelInfo) -> dict[str, ModulePlan]:
     default_rank = _rank("r", config.get("r"))
     default_alpha = _number("lora_alpha", config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
@@ -191,7 +222,4 @@ def plan_modules(config: dict, model: ModelInfo) -> dict[str, ModulePlan]:
         alpha = _number(f"alpha_pattern for {module}", _pattern_value(alpha_pattern, module, default_alpha))
         scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         plans[module] = ModulePlan(rank=rank, alpha=alpha, scaling=scaling)
-    max_rank = max(plan.rank for plan in plans.values())
-    if max_rank > model.max_lora_rank:
-        raise AdapterError(f"LoRA rank {max_rank} is greater than max_lora_rank {model.max_lora_rank}.")
     return plans

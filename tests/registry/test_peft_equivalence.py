@@ -18,6 +18,9 @@ CASES = {
     "layers_to_transform": dict(
         r=4, target_modules=["q_proj", "down_proj"], layers_to_transform=[1], layers_pattern="layers"
     ),
+    "full_name_ignores_layer_filter": dict(
+        r=4, target_modules=["model.layers.0.self_attn.q_proj", "down_proj"], layers_to_transform=[1]
+    ),
     "exclude_modules": dict(
         r=4, target_modules=["q_proj", "k_proj"], exclude_modules=["model.layers.0.self_attn.k_proj"]
     ),

@@ -1,6 +1,5 @@
-"""Each adapter the engine cannot serve correctly is refused with a message naming the problem."""
+"""Adapter validation: what loads, and each adapter the engine cannot serve correctly refused with a clear message."""
 import dataclasses
-import json
 import logging
 
 import pytest
@@ -107,6 +106,11 @@ def test_regex_target_matching_lm_head_is_refused(adapter_copy, model_info):
 def test_regex_target_matching_nothing_is_refused(adapter_copy, model_info):
     message = refusal(adapter_copy(target_modules=r".*\.attn\.c_proj"), model_info)
     assert "matches no LoRA-capable module of this model" in message
+
+
+def test_all_linear_targets_every_projection(adapter_copy, model_info):
+    loaded = load_adapter(adapter_copy(target_modules="all-linear"), model_info)
+    assert sorted(loaded.modules) == sorted(model_info.module_shapes)
 
 
 def test_missing_target_modules_is_refused(adapter_copy, model_info):
@@ -253,3 +257,18 @@ def test_adapter_name_key_form_is_accepted(adapter_copy, good_adapter, model_inf
     rewrite_weights(adapter, add_adapter_name)
     loaded = load_adapter(adapter, model_info)
     assert set(loaded.modules) == set(load_adapter(good_adapter, model_info).modules)
+
+
+def test_invalid_regex_in_rank_pattern_is_refused(adapter_copy, model_info):
+    message = refusal(adapter_copy(rank_pattern={"q_proj(": 4}), model_info)
+    assert message.startswith("adapter_config.json has an invalid regex pattern")
+    assert "q_proj(" in message
+
+
+def test_invalid_regex_target_modules_is_refused(adapter_copy, model_info):
+    assert "invalid regex pattern '[q'" in refusal(adapter_copy(target_modules="[q"), model_info)
+
+
+def test_malformed_layers_to_transform_is_refused(adapter_copy, model_info):
+    message = refusal(adapter_copy(layers_to_transform="1"), model_info)
+    assert message == "adapter_config.json: layers_to_transform must be an integer or a list, got '1'."
