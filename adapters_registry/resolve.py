@@ -46,8 +46,8 @@ def resolve_adapter_path(path: str, revision: str | None = None) -> Path:
         return Path(huggingface_hub.snapshot_download(path, revision=revision, allow_patterns=ADAPTER_FILES))
     except LocalEntryNotFoundError:
         raise AdapterNotFoundError(
-            f"Adapter {where} is not a local directory, and the Hugging Face Hub cannot be reached "
-            "(offline or no connection) and it is not in the local cache."
+            f"Adapter {where} is not a local directory, is not in the local Hugging Face cache, "
+            "and the Hub cannot be reached (offline mode or no connection)."
         ) from None
     except OSError as exc:
         raise AdapterNotFoundError(f"Adapter {where} could not be fetched from the Hugging Face Hub: {exc}") from None

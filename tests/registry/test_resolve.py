@@ -46,7 +46,7 @@ def test_hub_repo_offline_and_not_cached_is_not_found_with_clear_message(offline
     with pytest.raises(AdapterNotFoundError) as exc:
         resolve_adapter_path("someone/some-adapter", revision="v1")
     assert "someone/some-adapter@v1" in str(exc.value)
-    assert "not in the local cache" in str(exc.value)
+    assert "is not in the local Hugging Face cache, and the Hub cannot be reached" in str(exc.value)
 
 
 def test_hub_repo_in_offline_cache_resolves_to_the_snapshot(offline_hub, good_adapter):
