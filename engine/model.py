@@ -219,9 +219,9 @@ class LlamaForCausalLM(nn.Module):
                 params[target].data[offset:offset + size].copy_(tensor)
                 loaded.add(f"{target}:{offset}")
             elif name == "lm_head.weight":
-                if not self.tie_word_embeddings:
-                    self.lm_head.data.copy_(tensor)
-                    loaded.add("lm_head")
+                target = "embed_tokens.weight" if self.tie_word_embeddings else "lm_head"
+                params[target].data.copy_(tensor)
+                loaded.add(target)
             elif name.startswith("model.") and name.removeprefix("model.") in params:
                 params[name.removeprefix("model.")].data.copy_(tensor)
                 loaded.add(name.removeprefix("model."))

@@ -59,8 +59,15 @@ def convert_gguf(gguf_path: Path) -> Path:
     folder, name = str(gguf_path.parent), gguf_path.name
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    from safetensors.torch import save_model
+
     partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(str(partial), safe_serialization=True)
+    partial.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(str(partial))
+    save_model(model, str(partial / "model.safetensors"))
     tokenizer.save_pretrained(str(partial))
     partial.rename(target)
     return target
