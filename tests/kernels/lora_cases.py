@@ -1,0 +1,72 @@
+"""Shared inputs and a float64 per-token oracle for the LoRA kernel tests."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from kernels import prepare_lora_metadata
+
+NUM_SLOTS = 5
+
+# Slot patterns over the same slot table: name -> per-token slot (-1 = base model).
+PATTERNS: dict[str, list[int]] = {
+    "all_base": [-1] * 7,
+    "one_slot": [2] * 9,
+    "distinct": [4, 0, 3, 1, 2],
+    "unsorted_with_empty_groups": [3, 0, -1, 3, 1, -1, 0, 3, 1],
+    "base_mixed_in": [-1, 4, -1, -1, 4, 0, -1],
+}
+
+
+def slots_tensor(pattern: Sequence[int], device: str = "cpu") -> torch.Tensor:
+    return torch.tensor(pattern, dtype=torch.int32, device=device)
+
+
+def shrink_reference(x: torch.Tensor, a_slices: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+    """float64 h[i, t] = A_i[slot_t] @ x[t], zero for base tokens, one token at a time."""
+    h = torch.zeros(len(a_slices), x.shape[0], a_slices[0].shape[1], dtype=torch.float64, device=x.device)
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            for i, a in enumerate(a_slices):
+                h[i, t] = a[slot].double() @ x[t].double()
+    return h
+
+
+def expand_reference(
+    y: torch.Tensor, h: torch.Tensor, b_slices: Sequence[torch.Tensor], slots: torch.Tensor
+) -> torch.Tensor:
+    """float64 y + [h_i[t] @ B_i[slot_t]^T side by side], base rows unchanged, one token at a time."""
+    out = y.double().clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            col = 0
+            for i, b in enumerate(b_slices):
+                out[t, col : col + b.shape[1]] += b[slot].double() @ h[i, t].double()
+                col += b.shape[1]
+    return out
+
+
+def random_weights(
+    shape_tail: Sequence[Sequence[int]], dtype: torch.dtype, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Stacked slot tensors [NUM_SLOTS, *tail] of small random values (no zero padding to hide bugs)."""
+    return [torch.randn(NUM_SLOTS, *tail, device=device).div(tail[-1] ** 0.5).to(dtype) for tail in shape_tail]
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def triton_runs_in_process() -> bool:
+    """Whether the Triton kernels can run here: on CUDA, or interpreted with Triton imported in interpreter mode."""
+    from kernels import lora_triton
+
+    x = torch.ones(1, 16, device="cuda" if torch.cuda.is_available() else "cpu")
+    meta = prepare_lora_metadata(torch.zeros(1, dtype=torch.int32, device=x.device), 1)
+    try:
+        h = lora_triton.shrink_slices(x, [torch.ones(1, 1, 16, device=x.device)], meta)
+    except Exception:  # noqa: BLE001 - any failure means "not in this process"
+        return False
+    return h.item() == 16.0
