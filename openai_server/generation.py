@@ -1,0 +1,135 @@
+"""Engine requests as the handlers use them: started eagerly, tracked, merged, and aborted when abandoned."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import anyio
+
+from .errors import bad_request
+from .metrics import RequestTracker
+
+
+class Generation:
+    """One engine request whose first output has already arrived.
+
+    Starting eagerly means validation errors (a prompt past the context window, a bad parameter) surface
+    before any response is sent, so they become a 400 rather than an in-band stream error. Leaving the
+    iteration early, for any reason, aborts the engine request so its KV blocks and adapter are freed.
+    """
+
+    def __init__(self, engine, request_id: str, stream, first, tracker: RequestTracker) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self._first = first
+        self._tracker = tracker
+        self._closed = False
+        self.last = first
+
+    @classmethod
+    async def start(cls, engine, prompt, params, lora_request, request_id: str, tracker: RequestTracker) -> Generation:
+        try:
+            stream = engine.generate(prompt, params, lora_request=lora_request, request_id=request_id)
+        except ValueError as exc:
+            raise bad_request(str(exc)) from None
+        try:
+            first = await stream.__anext__()
+        except ValueError as exc:
+            await stream.aclose()
+            raise bad_request(str(exc)) from None
+        except BaseException:
+            await stream.aclose()
+            await _abort(engine, request_id)
+            raise
+        tracker.observe(_num_generated(first))
+        return cls(engine, request_id, stream, first, tracker)
+
+    async def __aiter__(self) -> AsyncIterator:
+        try:
+            yield self._first
+            while not self.last.finished:
+                try:
+                    self.last = await self._stream.__anext__()
+                except StopAsyncIteration:  # the engine ended it (aborted) without a final output
+                    return
+                self._tracker.observe(_num_generated(self.last))
+                yield self.last
+        finally:
+            await self.close()
+
+    async def abort(self) -> None:
+        """Abort the engine request; safe while another task is iterating (that iteration then ends)."""
+        await _abort(self.engine, self.request_id)
+
+    async def close(self) -> None:
+        """Record the request's end; abort it in the engine if it had not finished. Call once iteration stopped."""
+        if self._closed:
+            return
+        self._closed = True
+        finished = self.last.finished
+        if not finished:
+            await self._stream.aclose()
+            await _abort(self.engine, self.request_id)
+        reason = (self.last.outputs[0].finish_reason if finished else None) or "abort"
+        self._tracker.finish(reason, len(self.last.prompt_token_ids), _num_generated(self.last))
+
+
+def _num_generated(output) -> int:
+    return sum(len(completion.token_ids) for completion in output.outputs)
+
+
+async def _abort(engine, request_id: str) -> None:
+    with anyio.CancelScope(shield=True):
+        await engine.abort(request_id)
+
+
+async def start_all(engine, prompts, params, lora_request, request_ids, trackers) -> list[Generation]:
+    """Start several engine requests concurrently; if one fails, abort the others and re-raise."""
+    results = await asyncio.gather(
+        *(Generation.start(engine, p, params, lora_request, rid, t) for p, rid, t in zip(prompts, request_ids, trackers)),
+        return_exceptions=True,
+    )
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        for started in results:
+            if isinstance(started, Generation):
+                await started.close()
+        raise errors[0]
+    return list(results)
+
+
+async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, object]]:
+    """Interleave the outputs of several generations as they arrive, tagged with the generation's index."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for output in generation:
+                await queue.put((index, output, None))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put((index, None, exc))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, output, error = await queue.get()
+            if error is not None:
+                raise error
+            if output is None:
+                remaining -= 1
+                continue
+            yield index, output
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def abort_all(generations: list[Generation]) -> None:
+    for generation in generations:
+        await generation.abort()

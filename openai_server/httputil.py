@@ -1,0 +1,81 @@
+"""Body parsing, SSE responses and client-disconnect handling shared by the handlers."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import Response
+
+from .errors import APIError, bad_request, error_body, from_validation_error
+
+logger = logging.getLogger("loraserve.server")
+Body = TypeVar("Body", bound=BaseModel)
+
+
+async def parse_body(request: Request, model: type[Body]) -> Body:
+    """The JSON body validated against `model`; anything wrong is a 400 naming the field."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def dumps(payload: object) -> str:
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+
+
+async def with_openai_framing(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """JSON events, an in-band error if one happens after the stream began, then `[DONE]`."""
+    try:
+        async for event in events:
+            yield dumps(event)
+    except APIError as exc:
+        yield dumps(exc.body())
+    except Exception:
+        logger.exception("Error while streaming a response")
+        yield dumps(error_body("Internal server error while generating.", 500))
+    yield "[DONE]"
+
+
+def sse_response(events: AsyncIterator[str], on_disconnect: Callable[[], Awaitable[None]]) -> Response:
+    """`data: <event>\\n\\n` frames; a client that goes away triggers `on_disconnect` (aborting its requests)."""
+
+    async def closed(_message) -> None:
+        await on_disconnect()
+
+    return EventSourceResponse(events, sep="\n", client_close_handler_callable=closed)
+
+
+T = TypeVar("T")
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run `work`, cancelling it if the client disconnects first (then None: nobody is listening)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    return task.result() if not task.cancelled() else None

@@ -1,0 +1,114 @@
+"""Prometheus metrics: request counters and latency histograms per adapter, engine gauges read at scrape time."""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+BASE_LABEL = "base"
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+
+
+class _EngineCollector:
+    """Reads the engine's live state on every scrape, so gauges are never stale."""
+
+    def __init__(self, engine, adapter_names: Callable[[], dict[int, str]]) -> None:
+        self.engine = engine
+        self.adapter_names = adapter_names
+
+    def collect(self):
+        stats = self.engine.stats()
+        for name, value, doc in (
+            ("loraserve_num_requests_running", stats.num_running, "Requests in the running batch."),
+            ("loraserve_num_requests_waiting", stats.num_waiting, "Requests waiting to be scheduled."),
+            ("loraserve_kv_blocks_used", stats.kv_blocks_used, "KV-cache blocks in use."),
+            ("loraserve_kv_blocks_total", stats.kv_blocks_total, "KV-cache blocks in the pool."),
+            ("loraserve_lora_slots_used", stats.lora_slots_used, "Adapter slots (max_loras) holding an adapter."),
+            ("loraserve_lora_slots_total", stats.lora_slots_total, "Adapter slots (max_loras)."),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        running = GaugeMetricFamily(
+            "loraserve_adapter_running_requests", "Running requests per registered adapter.", labels=["adapter"]
+        )
+        resident = GaugeMetricFamily(
+            "loraserve_adapter_resident", "1 when the adapter holds an adapter slot.", labels=["adapter"]
+        )
+        status = self.engine.lora_status()
+        for int_id, name in self.adapter_names().items():
+            residency = status.get(int_id)
+            running.add_metric([name], residency.running if residency else 0)
+            resident.add_metric([name], 1 if residency and residency.slot is not None else 0)
+        yield running
+        yield resident
+
+
+class ServerMetrics:
+    """All of one app's metrics, in the app's own registry (so several apps can live in one process)."""
+
+    def __init__(self, engine, adapter_names: Callable[[], dict[int, str]]) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "loraserve_requests", "Requests received, by endpoint and adapter.", ["endpoint", "adapter"],
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "loraserve_requests_finished", "Engine requests finished, by adapter and finish reason.",
+            ["adapter", "finish_reason"], registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "loraserve_prompt_tokens", "Prompt tokens processed.", ["adapter"], registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "loraserve_generation_tokens", "Tokens generated.", ["adapter"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "loraserve_time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.tpot = Histogram(
+            "loraserve_time_per_output_token_seconds", "Mean time per generated token after the first.",
+            ["adapter"], buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "loraserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
+            ["adapter"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+        )
+        self.registry.register(_EngineCollector(engine, adapter_names))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def tracker(self, adapter: str | None) -> RequestTracker:
+        return RequestTracker(self, adapter or BASE_LABEL)
+
+
+class RequestTracker:
+    """Timing and token counts of one engine request, recorded once when it ends."""
+
+    def __init__(self, metrics: ServerMetrics, adapter: str) -> None:
+        self.metrics = metrics
+        self.adapter = adapter
+        self.arrival = time.perf_counter()
+        self.first_token: float | None = None
+        self.done = False
+
+    def observe(self, num_generated: int) -> None:
+        if self.first_token is None and num_generated > 0:
+            self.first_token = time.perf_counter()
+            self.metrics.ttft.labels(self.adapter).observe(self.first_token - self.arrival)
+
+    def finish(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
+        if self.done:
+            return
+        self.done = True
+        now = time.perf_counter()
+        m = self.metrics
+        m.finished.labels(self.adapter, finish_reason).inc()
+        m.prompt_tokens.labels(self.adapter).inc(prompt_tokens)
+        m.generation_tokens.labels(self.adapter).inc(generated_tokens)
+        m.e2e.labels(self.adapter).observe(now - self.arrival)
+        if self.first_token is not None and generated_tokens > 1:
+            m.tpot.labels(self.adapter).observe((now - self.first_token) / (generated_tokens - 1))

@@ -1,0 +1,146 @@
+"""TGI's `POST /generate` and `POST /generate_stream` (`adapter_id` picks the adapter), with TGI's error shape."""
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from engine import SamplingParams
+
+from .errors import APIError, bad_request
+from .generation import Generation, abort_all, merge, start_all
+from .httputil import dumps, logger, parse_body, sse_response, unless_disconnected
+from .protocol import TGIGenerateRequest
+from .state import ServerState
+
+
+def _tgi_error(exc: APIError) -> JSONResponse:
+    kind = "validation" if exc.status < 500 else "generation"
+    return JSONResponse({"error": exc.message, "error_type": kind}, status_code=exc.status)
+
+
+def _finish_reason(completion) -> str:
+    if completion.finish_reason == "length":
+        return "length"
+    if isinstance(completion.stop_reason, str):
+        return "stop_sequence"
+    return "eos_token"
+
+
+def _params(body: TGIGenerateRequest) -> SamplingParams:
+    """Greedy unless sampling is asked for, as TGI does: `do_sample` or any of temperature/top_p/top_k."""
+    p = body.parameters
+    sample = p.do_sample or any(v is not None for v in (p.temperature, p.top_p, p.top_k))
+    try:
+        return SamplingParams(
+            temperature=(p.temperature or 1.0) if sample else 0.0,
+            top_p=p.top_p or 1.0,
+            top_k=p.top_k or 0,
+            repetition_penalty=p.repetition_penalty or 1.0,
+            frequency_penalty=p.frequency_penalty or 0.0,
+            seed=p.seed,
+            stop=p.stop,
+            max_tokens=p.max_new_tokens,
+            logprobs=0,
+        )
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+class TGIHandler:
+    def __init__(self, state: ServerState, stream: bool | None) -> None:
+        self.state = state
+        self.stream = stream  # None: the body's `stream` field decides (TGI's `POST /`)
+        self._special = set(state.tokenizer.all_special_ids)
+
+    async def handle(self, request: Request) -> Response:
+        try:
+            return await self._handle(request)
+        except APIError as exc:
+            return _tgi_error(exc)
+
+    async def _handle(self, request: Request) -> Response:
+        state = self.state
+        body = await parse_body(request, TGIGenerateRequest)
+        lora = state.adapters.resolve(body.parameters.adapter_id)
+        stream = body.stream if self.stream is None else self.stream
+        state.metrics.requests.labels("generate_stream" if stream else "generate", lora.lora_name if lora else "base").inc()
+        generations = await start_all(
+            state.engine, [body.inputs], _params(body), lora, [f"generate-{uuid.uuid4().hex}"],
+            [state.metrics.tracker(lora.lora_name if lora else None)],
+        )
+        if stream:
+            return sse_response(self._events(body, generations), lambda: abort_all(generations))
+        response = await unless_disconnected(request, self._whole(body, generations))
+        return JSONResponse(response) if response is not None else Response(status_code=499)
+
+    def _token(self, token_id: int, text: str, position: dict[int, float] | None) -> dict:
+        special = token_id in self._special
+        logprob = position.get(token_id) if position else None
+        return {"id": token_id, "text": text, "logprob": logprob, "special": special}
+
+    def _tokens(self, completion, start: int, text: str) -> list[dict]:
+        """New tokens since `start`; the delta text goes to the last of them (text and tokens may not align)."""
+        ids = completion.token_ids[start:]
+        positions = (completion.logprobs or [])[start:] or [None] * len(ids)
+        return [
+            self._token(token_id, text if i == len(ids) - 1 else "", position)
+            for i, (token_id, position) in enumerate(zip(ids, positions))
+        ]
+
+    def _details(self, body: TGIGenerateRequest, completion, with_tokens: bool) -> dict:
+        details = {
+            "finish_reason": _finish_reason(completion),
+            "generated_tokens": len(completion.token_ids),
+            "seed": body.parameters.seed,
+        }
+        if with_tokens:
+            details["prefill"] = []
+            details["tokens"] = self._tokens(completion, 0, "")
+        return details
+
+    async def _whole(self, body: TGIGenerateRequest, generations: list[Generation]) -> dict:
+        final = generations[0].last
+        async for _, output in merge(generations):
+            final = output
+        completion = final.outputs[0]
+        text = body.inputs + completion.text if body.parameters.return_full_text else completion.text
+        response = {"generated_text": text}
+        if body.parameters.details:
+            response["details"] = self._details(body, completion, with_tokens=True)
+        return response
+
+    async def _events(self, body: TGIGenerateRequest, generations: list[Generation]) -> AsyncIterator[str]:
+        """One event per token; the last carries `generated_text` and `details`. Events lag one token so
+        the final one can be completed once the engine says the request is finished."""
+        held: dict | None = None
+        sent_text = sent_tokens = 0
+        count = 0
+        try:
+            async for _, output in merge(generations):
+                completion = output.outputs[0]
+                text = completion.text[sent_text:]
+                tokens = self._tokens(completion, sent_tokens, text)
+                sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
+                if not tokens and held is not None:
+                    held["token"]["text"] += text
+                for token in tokens:
+                    if held is not None:
+                        yield dumps(held)
+                    count += 1
+                    held = {"index": count, "token": token, "generated_text": None, "details": None, "top_tokens": None}
+                if output.finished and held is not None:
+                    full = completion.text
+                    held["generated_text"] = body.inputs + full if body.parameters.return_full_text else full
+                    held["details"] = self._details(body, completion, with_tokens=False)
+        except APIError as exc:
+            yield dumps({"error": exc.message, "error_type": "validation"})
+            return
+        except Exception:
+            logger.exception("Error while streaming /generate_stream")
+            yield dumps({"error": "Internal server error while generating.", "error_type": "generation"})
+            return
+        if held is not None:
+            yield dumps(held)
