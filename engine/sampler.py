@@ -14,6 +14,8 @@ import torch
 from engine.sampling_params import SamplingParams
 
 _UINT64 = (1 << 64) - 1
+# How many of the most likely tokens are searched for the top-p nucleus before falling back to a full sort.
+_NUCLEUS_CANDIDATES = 256
 
 
 @dataclass
@@ -171,9 +173,8 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
-        logits = logits / temperature
-        logits = _top_k_top_p(logits, rows, self.vocab_size)
-        probs = logits.softmax(dim=-1)
+        logits = _top_k(logits / temperature, rows, self.vocab_size)
+        probs = _top_p(logits.softmax(dim=-1), rows)
         if any(r.params.min_p > 0 for r in rows):
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
             threshold = min_p * probs.max(dim=-1, keepdim=True).values
@@ -208,46 +209,67 @@ def _padded(sequences: list[list[int]], pad: int, device: torch.device) -> torch
     return torch.tensor([s + [pad] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)
 
 
-def _top_k_top_p(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
-    """Masks to -inf what top-k and top-p exclude; the kept values are unchanged bit for bit."""
-    ks = [r.params.top_k if 0 < r.params.top_k < vocab else vocab for r in rows]
-    use_top_k = any(k < vocab for k in ks)
-    use_top_p = any(r.params.top_p < 1.0 for r in rows)
-    device = logits.device
-    if not use_top_p:
-        if not use_top_k:
-            return logits
-        k = torch.tensor(ks, device=device)[:, None]
-        top = logits.topk(max(ks), dim=-1).values
-        kth = top.gather(1, (k - 1).clamp(max=top.shape[-1] - 1))
-        kth = torch.where(k >= vocab, torch.full_like(kth, float("-inf")), kth)
-        return logits.masked_fill(logits < kth, float("-inf"))
-    ordered, order = logits.sort(dim=-1)  # ascending
-    if use_top_k:
-        kth = ordered.gather(1, vocab - torch.tensor(ks, device=device)[:, None])
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    top_p = torch.tensor([r.params.top_p for r in rows], device=device)[:, None]
-    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1.0 - top_p
-    drop[:, -1] = False  # always keep the most likely token
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(ordered).scatter_(1, order, ordered)
+def _top_k(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.Tensor:
+    """Masks to -inf all but each row's top_k logits (ties with the k-th are kept), in place."""
+    ks = [r.params.top_k for r in rows]
+    selected = [i for i, k in enumerate(ks) if 0 < k < vocab]
+    if not selected:
+        return logits
+    k = torch.tensor([ks[i] for i in selected], device=logits.device)[:, None]
+    sub = logits[selected]
+    kth = sub.topk(max(ks[i] for i in selected), dim=-1).values.gather(1, k - 1)
+    logits[selected] = sub.masked_fill(sub < kth, float("-inf"))
+    return logits
+
+
+def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Zeroes, in place, all but the smallest set of most likely tokens whose probability reaches top_p.
+
+    A full sort of the vocabulary is slow on the CPU, so the nucleus is looked for among the
+    most likely candidates first and the sort is only done for the rows where it is not there.
+    Which path a row takes depends on that row alone, so batch composition cannot change it.
+    """
+    selected = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
+    if not selected:
+        return probs
+    sub = probs[selected]
+    top_p = torch.tensor([rows[i].params.top_p for i in selected], device=probs.device)[:, None]
+    vocab = sub.shape[-1]
+    candidates, candidate_ids = sub.topk(min(_NUCLEUS_CANDIDATES, vocab), dim=-1)
+    kept = _keep_nucleus(candidates, candidate_ids, top_p, vocab)
+    outside = (candidates.sum(dim=-1) < top_p[:, 0]).nonzero().flatten()
+    if len(outside):
+        ordered, order = sub[outside].sort(dim=-1, descending=True)
+        kept[outside] = _keep_nucleus(ordered, order, top_p[outside], vocab)
+    probs[selected] = kept
+    return probs
+
+
+def _keep_nucleus(ordered: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """From probabilities sorted descending (and their token ids), a full-vocabulary row keeping the nucleus.
+
+    A token stays when the probability of the tokens ranked above it is still below top_p, so the
+    most likely token always stays.
+    """
+    above = ordered.cumsum(dim=-1) - ordered
+    full = torch.zeros(ordered.shape[0], vocab, device=ordered.device, dtype=ordered.dtype)
+    return full.scatter_(1, order, ordered.masked_fill(above >= top_p, 0.0))
 
 
 def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """argmax(p / E) with E ~ Exponential(1) draws token i with probability p_i.
+    """argmax(p / E) with E = -log(U) ~ Exponential(1) draws token i with probability p_i.
 
     Each seeded row draws its noise from its own generator; unseeded rows share the global RNG.
+    (-log of a uniform is several times faster than exponential_ on the CPU.)
     """
     noise = torch.empty_like(probs)
     unseeded = [i for i, g in enumerate(generators) if g is None]
     if len(unseeded) == len(generators):
-        noise.exponential_()
+        noise.uniform_()
     else:
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_()
+            noise[unseeded] = torch.rand(len(unseeded), probs.shape[-1], device=probs.device)
         for i, generator in enumerate(generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+                noise[i].uniform_(generator=generator)
+    return (probs / noise.log_().neg_()).argmax(dim=-1)

@@ -77,6 +77,18 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     assert torch.allclose(freq, torch.tensor([0.0, 0.625, 0.0, 0.375]), atol=0.015)
 
 
+def test_top_p_nucleus_wider_than_the_candidate_search_is_exact():
+    # 700 nearly equal tokens: the nucleus for top_p=0.5 holds about 330, more than the candidates searched first.
+    logits = -torch.arange(700, dtype=torch.float32) * 5e-4
+    probs = torch.softmax(logits.double(), dim=-1)
+    nucleus = int((probs.cumsum(dim=-1) - probs < 0.5).sum())
+    freq = frequencies(logits, SamplingParams(top_p=0.5))
+    assert nucleus > 256
+    assert freq[nucleus:].sum() == 0
+    assert freq[nucleus - 20 : nucleus].sum() > 0
+    assert torch.allclose(freq[:nucleus], (probs[:nucleus] / probs[:nucleus].sum()).float(), atol=0.002)
+
+
 def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     freq = frequencies(probs.log(), SamplingParams(min_p=0.5))
