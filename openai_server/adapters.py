@@ -123,11 +123,6 @@ class AdapterService:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.base_names:
             raise bad_request(f"The name '{name}' is the base model's name; choose another adapter name.", "lora_name")
-        if self.allowed_dirs:
-            try:
-                check_allowed(path, self.allowed_dirs)
-            except PermissionError as exc:
-                raise APIError(str(exc), 403, param="lora_path") from None
         async with self._lock:
             if name in self.registry and not load_inplace:
                 raise bad_request(
@@ -135,6 +130,11 @@ class AdapterService:
                     "If you want to load the adapter in place, set 'load_inplace' to True.",
                     "lora_name",
                 )
+            if self.allowed_dirs:
+                try:
+                    check_allowed(path, self.allowed_dirs)
+                except PermissionError as exc:
+                    raise APIError(str(exc), 403, param="lora_path") from None
             spec = AdapterSpec(name=name, path=path)
             try:
                 await anyio.to_thread.run_sync(

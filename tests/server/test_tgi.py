@@ -1,0 +1,92 @@
+"""TGI's surface: /generate and /generate_stream with adapter_id, and adapters from LORA_ADAPTERS."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from openai_server.config import serve_config_from_args
+from openai_server.launch import build_server
+
+from .conftest import start_server, stop_server
+
+INPUTS = "Hello world! How are"
+
+
+def _events(response: httpx.Response) -> list[dict]:
+    return [json.loads(line[len("data:"):]) for line in response.iter_lines() if line.startswith("data:")]
+
+
+def test_generate_with_adapter_id_matches_greedy_completion(http):
+    generated = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "beta", "max_new_tokens": 10}})
+    completion = http.post(
+        "/v1/completions", json={"model": "beta", "prompt": INPUTS, "max_tokens": 10, "temperature": 0.0}
+    )
+    assert generated.status_code == 200
+    assert generated.json() == {"generated_text": completion.json()["choices"][0]["text"]}
+
+
+def test_generate_without_adapter_id_uses_the_base_model(http):
+    base = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 10}}).json()
+    adapter = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "alpha", "max_new_tokens": 10}}).json()
+    completion = http.post("/v1/completions", json={"prompt": INPUTS, "max_tokens": 10, "temperature": 0.0}).json()
+    assert base["generated_text"] == completion["choices"][0]["text"] != adapter["generated_text"]
+
+
+def test_generate_details_count_tokens_and_name_the_finish(http):
+    body = http.post(
+        "/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 5, "details": True}}
+    ).json()
+    assert body["details"]["finish_reason"] in {"length", "eos_token"}
+    assert body["details"]["generated_tokens"] == len(body["details"]["tokens"]) <= 5
+
+
+def test_generate_stream_sends_token_events_then_the_full_text(http):
+    with http.stream(
+        "POST", "/generate_stream", json={"inputs": INPUTS, "parameters": {"adapter_id": "gamma", "max_new_tokens": 8}}
+    ) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _events(response)
+    whole = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "gamma", "max_new_tokens": 8}})
+    assert [e["index"] for e in events] == list(range(1, len(events) + 1))
+    assert all(e["generated_text"] is None and e["details"] is None for e in events[:-1])
+    assert events[-1]["generated_text"] == whole.json()["generated_text"]
+    assert "".join(e["token"]["text"] for e in events) == events[-1]["generated_text"]
+    assert events[-1]["details"]["generated_tokens"] == len(events)
+
+
+def test_generate_unknown_adapter_is_404_in_tgi_shape(http):
+    response = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "nope"}})
+    assert response.status_code == 404
+    assert response.json() == {"error": "The model `nope` does not exist.", "error_type": "validation"}
+
+
+def test_generate_invalid_parameters_are_400_in_tgi_shape(http):
+    response = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 0}})
+    assert response.status_code == 400
+    assert response.json()["error_type"] == "validation"
+
+
+@pytest.fixture(scope="module")
+def env_server(model_dir, adapter_dirs, tmp_path_factory):
+    """A server built by the CLI's own path, its adapter given only through LORA_ADAPTERS."""
+    config = serve_config_from_args(
+        [str(model_dir), "--dtype", "float32", "--device", "cpu"],
+        environ={"LORA_ADAPTERS": f"from-env={adapter_dirs['alpha']}"},
+        cwd=tmp_path_factory.mktemp("cwd"),
+    )
+    built = build_server(config)
+    url, running = start_server(built.app)
+    yield url
+    stop_server(running)
+    built.engine.shutdown()
+
+
+def test_lora_adapters_from_environment_are_served(env_server, http):
+    with httpx.Client(base_url=env_server, timeout=60) as client:
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]][1:] == ["from-env"]
+        params = {"adapter_id": "from-env", "max_new_tokens": 10}
+        via_env = client.post("/generate", json={"inputs": INPUTS, "parameters": params}).json()
+    same_adapter = http.post("/generate", json={"inputs": INPUTS, "parameters": {**params, "adapter_id": "alpha"}}).json()
+    assert via_env == same_adapter
