@@ -1,0 +1,128 @@
+"""`loraserve serve` settings: flags > environment > config file > defaults, and paths relative to the file."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapters_registry import AdapterSpec
+from openai_server.cli import main
+from openai_server.config import OPTIONS, ConfigError, ServeConfig, serve_config_from_args
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "adapters" / "pirate").mkdir(parents=True)
+    (tmp_path / "config.yaml").write_text(
+        "port: 9000\nmax_loras: 3\nhost: 0.0.0.0\n"
+        "lora_modules:\n  - pirate=adapters/pirate\n"
+        "lora_allowed_dirs: [adapters]\n"
+    )
+    return tmp_path
+
+
+def test_defaults_without_any_layer(tmp_path):
+    config = serve_config_from_args([], environ={}, cwd=tmp_path)
+    assert config == ServeConfig()
+
+
+def test_config_file_in_cwd_is_read_when_no_model_is_named(workdir):
+    config = serve_config_from_args([], environ={}, cwd=workdir)
+    assert (config.port, config.max_loras, config.host) == (9000, 3, "0.0.0.0")
+    assert config.config_file == str(workdir / "config.yaml")
+
+
+def test_config_file_paths_are_relative_to_the_file(workdir, tmp_path_factory):
+    elsewhere = tmp_path_factory.mktemp("elsewhere")
+    config = serve_config_from_args(["--config", str(workdir / "config.yaml")], environ={}, cwd=elsewhere)
+    assert config.lora_modules == [AdapterSpec("pirate", str(workdir / "adapters" / "pirate"))]
+    assert config.lora_allowed_dirs == [str(workdir / "adapters")]
+
+
+def test_environment_overrides_file_and_flags_override_environment(workdir):
+    environ = {"LORASERVE_PORT": "9100", "LORASERVE_MAX_LORAS": "4"}
+    config = serve_config_from_args(["--port", "9200"], environ=environ, cwd=workdir)
+    assert config.port == 9200  # flag
+    assert config.max_loras == 4  # environment
+    assert config.host == "0.0.0.0"  # file
+
+
+def test_naming_a_model_skips_the_cwd_config_file(workdir):
+    config = serve_config_from_args(["some/model"], environ={}, cwd=workdir)
+    assert config.model == "some/model" and config.port == 8000 and config.lora_modules == []
+
+
+def test_explicit_config_is_combined_with_a_named_model(workdir):
+    config = serve_config_from_args(["some/model", "--config", "config.yaml"], environ={}, cwd=workdir)
+    assert config.model == "some/model" and config.port == 9000
+
+
+def test_tgi_lora_adapters_from_environment(tmp_path):
+    config = serve_config_from_args([], environ={"LORA_ADAPTERS": "a=/x/a,org/b@v2"}, cwd=tmp_path)
+    assert config.adapter_specs() == [AdapterSpec("a", "/x/a"), AdapterSpec("org/b", "org/b", revision="v2")]
+
+
+def test_lora_adapters_flag_overrides_environment(tmp_path):
+    config = serve_config_from_args(["--lora-adapters", "c=/x/c"], environ={"LORA_ADAPTERS": "a=/x/a"}, cwd=tmp_path)
+    assert config.lora_adapters == [AdapterSpec("c", "/x/c")]
+
+
+def test_vllm_lora_modules_flag_takes_pairs_and_json(tmp_path):
+    config = serve_config_from_args(
+        ["--lora-modules", "a=/x/a", '{"name": "b", "path": "/x/b", "base_model_name": "m"}'], environ={}, cwd=tmp_path
+    )
+    assert config.lora_modules == [AdapterSpec("a", "/x/a"), AdapterSpec("b", "/x/b", base_model_name="m")]
+
+
+@pytest.mark.parametrize("name", ["LORASERVE_API_KEY", "VLLM_API_KEY"])
+def test_api_key_from_environment(tmp_path, name):
+    assert serve_config_from_args([], environ={name: "k"}, cwd=tmp_path).api_key == "k"
+
+
+def test_vllm_runtime_updating_variable_turns_it_on(tmp_path):
+    config = serve_config_from_args([], environ={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}, cwd=tmp_path)
+    assert config.allow_runtime_lora_updating is True
+
+
+def test_boolean_flag_has_a_negative_form(workdir):
+    (workdir / "config.yaml").write_text("enable_lora: true\n")
+    assert serve_config_from_args(["--no-enable-lora"], environ={}, cwd=workdir).enable_lora is False
+
+
+@pytest.mark.parametrize(
+    "argv, environ, content, message",
+    [
+        ([], {}, "bogus: 1\n", "unknown setting 'bogus'"),
+        ([], {}, "port: eighty\n", "expected int"),
+        ([], {"LORASERVE_ENABLE_LORA": "maybe"}, "", "expected true or false"),
+        ([], {"LORA_ADAPTERS": "a=b=c"}, "", "Invalid LoRA adapter format"),
+        (["--config", "missing.yaml"], {}, "", "does not exist"),
+    ],
+    ids=["unknown_key", "bad_type", "bad_bool", "bad_adapter_spec", "missing_file"],
+)
+def test_bad_settings_name_the_problem(tmp_path, argv, environ, content, message):
+    (tmp_path / "config.yaml").write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        serve_config_from_args(argv, environ=environ, cwd=tmp_path)
+
+
+def _help(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit):
+        main(argv)
+    return capsys.readouterr().out
+
+
+def test_both_help_texts_document_every_flag(capsys):
+    top, serve = _help(capsys, ["--help"]), _help(capsys, ["serve", "--help"])
+    for option in OPTIONS:
+        assert option.flag in top and option.flag in serve
+    assert "--config" in serve and "MODEL" in serve
+
+
+def test_repo_config_serves_the_demo_adapters():
+    repo = Path(__file__).resolve().parents[2]
+    config = serve_config_from_args([], environ={}, cwd=repo)
+    assert config.model is None and config.enable_lora
+    assert [spec.name for spec in config.adapter_specs()] == ["pirate", "sql"]
+    assert all(Path(spec.path).is_dir() for spec in config.adapter_specs())
+    assert config.lora_allowed_dirs == [str(repo / "examples" / "demo_adapters")]
