@@ -59,11 +59,8 @@ class IncrementalDetokenizer:
         return self._text
 
     def _decode_new(self) -> str:
-        decode_kwargs = dict(
-            skip_special_tokens=self._params.skip_special_tokens,
-            spaces_between_special_tokens=self._params.spaces_between_special_tokens,
-            clean_up_tokenization_spaces=False,
-        )
+        # spaces_between_special_tokens is not passed: no transformers 5 tokenizer uses it, and one rejects it.
+        decode_kwargs = dict(skip_special_tokens=self._params.skip_special_tokens, clean_up_tokenization_spaces=False)
         prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], **decode_kwargs)
         full_text = self._tokenizer.decode(self._ids[self._prefix_offset :], **decode_kwargs)
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):

@@ -139,3 +139,36 @@ def test_special_tokens_in_the_prompt_do_not_leak_into_the_output(tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     detok, _, _ = stream(tokenizer, "Hello world", prompt=prompt, skip_special_tokens=False)
     assert detok.flush() == "Hello world"
+
+
+@pytest.fixture(scope="module")
+def metaspace_tokenizer():
+    """A Llama-2-style tokenizer: '▁' for spaces, bytes for unknown characters, leading space stripped."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    specials = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tok.train_from_iterator(CORPUS * 4, trainer=trainers.BpeTrainer(vocab_size=400, special_tokens=specials))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_sentencepiece_style_text_matches_decode_and_keeps_the_space_after_the_prompt(metaspace_tokenizer):
+    tok = metaspace_tokenizer
+    text = "Hello world! Zürich 東京 🙂 is far."
+    ids = tok.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok, [], SamplingParams())
+    shown = []
+    for token_id in ids:
+        detok.append(token_id)
+        shown.append(detok.output_text)
+    assert all("\ufffd" not in s for s in shown)
+    assert detok.flush() == tok.decode(ids) == text
+    after_prompt = IncrementalDetokenizer(tok, tok.encode("Say", add_special_tokens=False), SamplingParams())
+    for token_id in ids:
+        after_prompt.append(token_id)
+    assert after_prompt.flush() == " " + text
