@@ -1,6 +1,6 @@
 """Turns one step's logits into one token per sequence, with vLLM's sampling semantics.
 
-Order (as in vLLM): logprobs are taken from the raw logits; then logit_bias, min_tokens,
+Order (as in vLLM's V0 sampler): logprobs are taken from the raw logits; then logit_bias, min_tokens,
 repetition penalty, frequency/presence penalties; then greedy argmax, or temperature, top-k,
 top-p, min-p and a draw. A seeded sequence draws its noise only from its own generator, so its
 tokens do not depend on what else is in the batch.
@@ -140,7 +140,7 @@ class Sampler:
             logits[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)] = float("-inf")
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
-        device, vocab = logits.device, self.vocab_size
+        device, vocab = logits.device, logits.shape[-1]
         sub = logits[indices]
         repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
         frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
@@ -173,7 +173,7 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
-        logits = _top_k(logits / temperature, rows, self.vocab_size)
+        logits = _top_k(logits / temperature, rows, logits.shape[-1])
         probs = _top_p(logits.softmax(dim=-1), rows)
         if any(r.params.min_p > 0 for r in rows):
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
