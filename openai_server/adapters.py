@@ -28,7 +28,7 @@ def register_adapter(engine, registry: AdapterRegistry, spec: AdapterSpec, *, re
     engine.add_lora(lora_request(entry), entry.adapter)
     if previous is not None:
         engine.remove_lora(previous.int_id)
-    logger.info(
+    logger.debug(  # the registry already logged TGI's one line per adapter
         "Loaded adapter %s: rank %d, %d target modules, from %s in %.2f s",
         entry.name, entry.rank, len(entry.target_modules), entry.path, entry.load_seconds,
     )
