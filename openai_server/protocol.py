@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 NonNegInt = Annotated[int, Field(ge=0)]
 StopField = Union[str, list[str], None]
@@ -92,6 +92,16 @@ class ChatMessage(_Body):
     role: str
     content: Union[str, list[TextPart], None] = None
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"content part type {kind!r} is not supported; only 'text' parts are")
+        return content
 
     def as_template_input(self) -> dict:
         """A plain {role, content} dict for the chat template, text parts joined with newlines."""

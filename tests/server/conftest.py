@@ -19,6 +19,7 @@ from openai_server.adapters import register_adapter
 from tests.tiny_models import make_peft_adapter, make_tiny_model
 
 API_KEY = "test-key"
+SERVED_NAMES = ("tiny", "tiny-alias")
 ADAPTERS = ("alpha", "beta", "gamma")
 
 
@@ -125,10 +126,11 @@ def server(model_dir, adapter_dirs, allowed_dir) -> Iterator[RunningServer]:
 
 @pytest.fixture(scope="session")
 def locked_server(model_dir) -> Iterator[RunningServer]:
-    """A server with an API key and runtime adapter updating left off."""
+    """A server with an API key, two names for its base model, and runtime adapter updating left off."""
     engine = make_engine(model_dir, enable_lora=False)
     registry = AdapterRegistry(engine.model_info)
-    url, running = start_server(build_app(engine, registry, ServerSettings(api_key=API_KEY)))
+    settings = ServerSettings(api_key=API_KEY, served_model_names=list(SERVED_NAMES))
+    url, running = start_server(build_app(engine, registry, settings))
     yield RunningServer(url, engine, registry, model_dir)
     stop_server(running)
     engine.shutdown()

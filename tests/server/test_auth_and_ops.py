@@ -6,7 +6,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import API_KEY
+from .conftest import API_KEY, SERVED_NAMES
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,15 @@ def test_missing_key_is_authentication_error(locked_server):
 
 def test_right_key_is_served(locked_server):
     client = openai.OpenAI(base_url=locked_server.v1, api_key=API_KEY, max_retries=0)
-    response = client.completions.create(model=str(locked_server.model_dir), prompt="Hello", max_tokens=3)
+    response = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
     assert response.usage.completion_tokens >= 1
+
+
+def test_every_served_name_reaches_the_base_and_the_first_is_listed(locked_server):
+    client = openai.OpenAI(base_url=locked_server.v1, api_key=API_KEY, max_retries=0)
+    assert [model.id for model in client.models.list()] == [SERVED_NAMES[0]]
+    response = client.completions.create(model=SERVED_NAMES[1], prompt="Hello", max_tokens=3)
+    assert response.model == SERVED_NAMES[1]
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream"])

@@ -57,6 +57,15 @@ def test_chat_text_parts_are_joined_for_the_template():
     assert request.messages[0].as_template_input() == {"role": "user", "content": "a\nb"}
 
 
+def test_chat_non_text_parts_are_refused_by_name():
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate(
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+        )
+    error = from_validation_error(caught.value)
+    assert error.param == "messages.0.content" and "'image_url' is not supported" in error.message
+
+
 def test_chat_max_completion_tokens_wins_over_max_tokens():
     request = ChatCompletionRequest.model_validate(
         {"messages": [{"role": "user", "content": "x"}], "max_tokens": 5, "max_completion_tokens": 7}
