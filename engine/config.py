@@ -23,6 +23,8 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     allow_pickle_adapters: bool = False
+    enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
+    load_format: str = "auto"  # "dummy": random weights at the checkpoint's shapes (benchmarks)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -39,5 +41,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")

@@ -69,7 +69,8 @@ class LLMEngine:
         self.block_size = config.block_size
         num_blocks = self._num_kv_blocks()
         head_dim = self.model.layers[0].self_attn.head_dim
-        kv_caches = allocate_kv_caches(self.hf_config.num_hidden_layers, num_blocks, self.block_size,
+        # one block more than the allocator hands out: a scratch block for CUDA-graph padding rows
+        kv_caches = allocate_kv_caches(self.hf_config.num_hidden_layers, num_blocks + 1, self.block_size,
                                        self.hf_config.num_key_value_heads, head_dim, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.lora_manager = self._build_lora_manager() if config.enable_lora else None
@@ -80,6 +81,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -95,7 +98,10 @@ class LLMEngine:
                 model = LlamaForCausalLM(self.hf_config, self.max_model_len)
         finally:
             torch.set_default_dtype(previous)
-        model.load_weights(iter_safetensors(model_dir))
+        if self.config.load_format == "dummy":
+            model.init_dummy_weights(self.config.seed)
+        else:
+            model.load_weights(iter_safetensors(model_dir))
         return model.eval()
 
     def _num_kv_blocks(self) -> int:
@@ -110,10 +116,10 @@ class LLMEngine:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)
-            budget = int(free - total * (1 - cfg.gpu_memory_utilization))
+            budget = int(free - total * (1 - cfg.gpu_memory_utilization)) - (2 << 30)  # graphs, activations
         else:
             budget = 1 << 30
-        return max(1, min(wanted, budget // per_block))
+        return max(1, min(wanted, budget // per_block - 1))
 
     def _build_lora_manager(self):
         from .lora_manager import LoRAManager

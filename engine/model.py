@@ -10,7 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention_decode, paged_attention_prefill, write_kv
+from kernels.attention import decode_attention, paged_attention_prefill, write_kv
 
 from .step_input import AttentionMetadata, StepInput
 
@@ -113,7 +113,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
         if attn.decode_only:
-            out = paged_attention_decode(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
+            out = decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
         else:
             out = paged_attention_prefill(q, k_cache, v_cache, attn.block_tables, attn.query_lens,
                                           attn.context_lens_list, self.scale)
@@ -181,6 +181,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
         return nn.functional.linear(hidden, head).float()
+
+    def init_dummy_weights(self, seed: int) -> None:
+        """Random weights at the real shapes, for benchmarks that cannot download a checkpoint."""
+        generator = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if "norm" in name:
+                param.data.fill_(1.0)
+            else:
+                param.data.normal_(0.0, 0.02, generator=generator)
 
     def lora_layers(self) -> dict[str, LoRALinear]:
         """Every LoRA-capable linear by module prefix, e.g. `model.layers.0.self_attn.` -> qkv_proj."""

@@ -24,6 +24,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.num_lora_slots = num_lora_slots
+        self.graphs = None
 
     def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
         """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model)."""
@@ -67,10 +68,24 @@ class ModelRunner:
             lora=lora,
         )
 
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
+        from .cuda_graphs import DecodeGraphs
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+                                   max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                   scratch_block=scratch_block, block_size=self.block_size,
+                                   num_lora_slots=self.num_lora_slots, device=self.device)
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepResult:
-        step = self.build_step(scheduled, adapter_slots)
-        hidden = self.model(step, self.kv_caches)
+        if self.graphs is not None and self.graphs.fits(len(scheduled)) and \
+                all(item.num_new_tokens == 1 for item in scheduled):
+            seqs = [item.seq for item in scheduled]
+            hidden = self.graphs.run([s.token_ids[s.num_computed_tokens] for s in seqs],
+                                     [s.num_computed_tokens for s in seqs], [s.block_table for s in seqs],
+                                     adapter_slots)
+        else:
+            hidden = self.model(self.build_step(scheduled, adapter_slots), self.kv_caches)
         starts, offset = [], 0
         for item in scheduled:
             starts.append(offset)

@@ -22,10 +22,20 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache[block_table].flatten(0, 1)[:length]
 
 
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token per sequence: the Triton kernel on CUDA, torch elsewhere."""
+    if q.is_cuda:
+        from kernels.paged_attention_triton import paged_attention_decode as triton_decode
+
+        return triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+
+
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """One query token per sequence: q [B, H, D] -> [B, H, D]."""
+    """One query token per sequence: q [B, H, D] -> [B, H, D] (the torch reference)."""
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads

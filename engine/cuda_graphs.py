@@ -1,0 +1,103 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+Every input the layers read lives in static buffers (token ids, positions, KV slots, block
+tables, context lengths, LoRA metadata); a step copies its values in and replays the graph of
+the smallest bucket that fits. Padding rows write their KV to a scratch block nobody reads and
+use no adapter.
+"""
+from __future__ import annotations
+
+import torch
+
+from .model import LlamaForCausalLM
+from .step_input import AttentionMetadata, StepInput
+
+
+def default_buckets(max_num_seqs: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
+    return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+class DecodeGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_caches, *, max_num_seqs: int, max_blocks_per_seq: int,
+                 scratch_block: int, block_size: int, num_lora_slots: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.num_lora_slots = num_lora_slots
+        self.buckets = default_buckets(max_num_seqs)
+        top = self.buckets[-1]
+        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
+        self.positions = torch.zeros(top, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((top,), scratch_block * block_size, dtype=torch.long, device=device)
+        self.block_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
+        self.context_lens = torch.ones(top, dtype=torch.long, device=device)
+        self.lora_slots = torch.full((top,), -1, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.lora_meta: dict[int, object] = {}
+        self._capture_all()
+
+    def _step_input(self, size: int) -> StepInput:
+        attention = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size], query_lens=[1] * size, context_lens_list=[1] * size,
+            decode_only=True,
+        )
+        return StepInput(self.input_ids[:size], self.positions[:size], attention, self.lora_meta.get(size))
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.buckets):
+            if self.num_lora_slots:
+                import kernels
+
+                meta = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
+                kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=meta)
+                self.lora_meta[size] = meta
+            step = self._step_input(size)
+            with torch.inference_mode():
+                self.model(step, self.kv_caches)  # warm-up: compiles kernels outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self.model(step, self.kv_caches)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def fits(self, batch: int) -> bool:
+        return batch <= self.buckets[-1]
+
+    def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
+            lora_slots: list[int]) -> torch.Tensor:
+        """Hidden states [B, hidden] of one decode token per sequence."""
+        batch = len(input_ids)
+        size = next(b for b in self.buckets if b >= batch)
+        bs = self.block_size
+        width = self.block_tables.shape[1]
+        tables = torch.full((size, width), self.scratch_block, dtype=torch.long)
+        for row, table in enumerate(block_tables):
+            tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
+        pad = size - batch
+        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
+        host = torch.tensor([
+            input_ids + [0] * pad,
+            positions + [0] * pad,
+            slots + [self.scratch_block * bs] * pad,
+            [p + 1 for p in positions] + [1] * pad,
+            lora_slots + [-1] * pad,
+        ], dtype=torch.long).pin_memory()
+        device_host = host.to(self.input_ids.device, non_blocking=True)
+        self.input_ids[:size].copy_(device_host[0])
+        self.positions[:size].copy_(device_host[1])
+        self.slot_mapping[:size].copy_(device_host[2])
+        self.context_lens[:size].copy_(device_host[3])
+        self.lora_slots[:size].copy_(device_host[4])
+        self.block_tables[:size].copy_(tables.pin_memory().to(self.input_ids.device, non_blocking=True))
+        if self.num_lora_slots:
+            import kernels
+
+            kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
+        self.graphs[size].replay()
+        return self.outputs[size][:batch]
