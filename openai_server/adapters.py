@@ -111,14 +111,14 @@ class AdapterService:
             })
         return described
 
-    def require_runtime_updating(self) -> None:
+    def _require_runtime_updating(self) -> None:
         if not self.allow_runtime_updating:
             raise APIError(
                 "Runtime LoRA updating is disabled; start the server with --allow-runtime-lora-updating.", 404
             )
 
     async def load(self, name: str | None, path: str | None, load_inplace: bool) -> str:
-        self.require_runtime_updating()
+        self._require_runtime_updating()
         if not name or not path:
             raise bad_request("Both 'lora_name' and 'lora_path' must be provided.")
         if name in self.base_names:
@@ -147,7 +147,7 @@ class AdapterService:
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str | None) -> str:
-        self.require_runtime_updating()
+        self._require_runtime_updating()
         if not name:
             raise bad_request("'lora_name' must be provided.", "lora_name")
         async with self._lock:

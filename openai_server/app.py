@@ -66,12 +66,10 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
         return JSONResponse({"object": "list", "data": await anyio.to_thread.run_sync(adapters.describe)})
 
     async def load_lora_adapter(request: Request) -> Response:
-        adapters.require_runtime_updating()
         body = await parse_body(request, LoadLoRAAdapterRequest)
         return PlainTextResponse(await adapters.load(body.lora_name, body.lora_path, body.load_inplace))
 
     async def unload_lora_adapter(request: Request) -> Response:
-        adapters.require_runtime_updating()
         body = await parse_body(request, UnloadLoRAAdapterRequest)
         return PlainTextResponse(await adapters.unload(body.lora_name))
 

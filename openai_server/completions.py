@@ -102,13 +102,13 @@ class CompletionHandler:
             finals[prompt_index] = output
             for completion in output.outputs:
                 index = prompt_index * body.n + completion.index
-                state = progress.setdefault(index, _ChoiceProgress())
-                if state.finished:
+                choice = progress.setdefault(index, _ChoiceProgress())
+                if choice.finished:
                     continue
-                text = completion.text[state.text_len:]
-                token_ids = completion.token_ids[state.num_tokens:]
-                positions = (completion.logprobs or [])[state.num_tokens:]
-                if body.echo and not state.started:
+                text = completion.text[choice.text_len:]
+                token_ids = completion.token_ids[choice.num_tokens:]
+                positions = (completion.logprobs or [])[choice.num_tokens:]
+                if body.echo and not choice.started:
                     text = self._prompt_text(prompts[prompt_index]) + text
                     token_ids = output.prompt_token_ids + token_ids
                     positions = (output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + positions
@@ -117,12 +117,12 @@ class CompletionHandler:
                     continue
                 logprobs = None
                 if body.logprobs is not None:
-                    logprobs = fmt.completion(token_ids, positions, body.logprobs, state.text_offset)
-                    state.text_offset += sum(len(t) for t in logprobs["tokens"])
-                state.started = True
-                state.text_len = len(completion.text)
-                state.num_tokens = len(completion.token_ids)
-                state.finished = completion.finish_reason is not None
+                    logprobs = fmt.completion(token_ids, positions, body.logprobs, choice.text_offset)
+                    choice.text_offset += sum(len(t) for t in logprobs["tokens"])
+                choice.started = True
+                choice.text_len = len(completion.text)
+                choice.num_tokens = len(completion.token_ids)
+                choice.finished = completion.finish_reason is not None
                 yield chunk([{
                     "index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,

@@ -58,7 +58,7 @@ class SamplingFields(_Body):
 
 class CompletionRequest(SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: NonNegInt | None = 16
+    max_tokens: int = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)

@@ -1,6 +1,7 @@
 """TGI's `POST /generate` and `POST /generate_stream` (`adapter_id` picks the adapter), with TGI's error shape."""
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
@@ -11,9 +12,11 @@ from engine import SamplingParams
 
 from .errors import APIError, bad_request
 from .generation import Generation, abort_all, merge, start_all
-from .httputil import dumps, logger, parse_body, sse_response, unless_disconnected
+from .httputil import dumps, parse_body, sse_response, unless_disconnected
 from .protocol import TGIGenerateRequest
 from .state import ServerState
+
+logger = logging.getLogger("loraserve.server")
 
 
 def _tgi_error(exc: APIError) -> JSONResponse:

@@ -18,14 +18,12 @@ def _aborted(http, adapter: str) -> float:
     return 0.0
 
 
-def _wait_for_empty_engine(server, timeout: float = 10.0):
+def _wait_for_abort_recorded(http, server, adapter: str, count: float, timeout: float = 10.0):
+    """Engine stats once the server has recorded the abort (the server notices a disconnect asynchronously)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        stats = server.engine.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_blocks_used == 0:
-            return stats
+    while _aborted(http, adapter) < count and time.monotonic() < deadline:
         time.sleep(0.02)
-    return server.engine.stats()
+    return server.wait_idle()
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(server, http):
@@ -36,10 +34,10 @@ def test_disconnect_mid_stream_aborts_and_frees_kv_blocks(server, http):
             lines = response.iter_lines()
             first = json.loads(next(line for line in lines if line.startswith("data:"))[len("data:"):])
             assert first["choices"][0]["finish_reason"] is None
-    stats = _wait_for_empty_engine(server)
+    stats = _wait_for_abort_recorded(http, server, "alpha", before + 1)
+    assert _aborted(http, "alpha") == before + 1
     assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)
     assert server.engine.lora_status()[server.registry.lookup("alpha").int_id].running == 0
-    assert _aborted(http, "alpha") == before + 1
 
 
 def test_disconnect_during_whole_response_aborts(server, http):
@@ -50,6 +48,6 @@ def test_disconnect_during_whole_response_aborts(server, http):
             client.post("/v1/completions", json=body)
         except httpx.ReadTimeout:
             pass
-    stats = _wait_for_empty_engine(server)
-    assert (stats.num_running, stats.kv_blocks_used) == (0, 0)
+    stats = _wait_for_abort_recorded(http, server, "beta", before + 1)
     assert _aborted(http, "beta") == before + 1
+    assert (stats.num_running, stats.num_waiting, stats.kv_blocks_used) == (0, 0, 0)

@@ -25,13 +25,13 @@ def offline_texts(model_dir, adapter_dirs) -> list[str]:
 
 @pytest.mark.anyio
 async def test_concurrent_adapters_match_offline_generate(server, offline_texts):
-    client = openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0)
-    responses = await asyncio.gather(*(
-        client.completions.create(
-            model=name or str(server.model_dir), prompt=prompt, max_tokens=16, temperature=0.0,
-            extra_body={"ignore_eos": True},
-        )
-        for prompt, name in zip(PROMPTS, MODELS)
-    ))
+    async with openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        responses = await asyncio.gather(*(
+            client.completions.create(
+                model=name or str(server.model_dir), prompt=prompt, max_tokens=16, temperature=0.0,
+                extra_body={"ignore_eos": True},
+            )
+            for prompt, name in zip(PROMPTS, MODELS)
+        ))
     assert [r.choices[0].text for r in responses] == offline_texts
     assert len(set(offline_texts)) == len(offline_texts)

@@ -17,8 +17,9 @@ def client(server):
 
 
 @pytest.fixture
-def aclient(server):
-    return openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+async def aclient(server):
+    async with openai.AsyncOpenAI(base_url=server.v1, api_key="unused", max_retries=0) as client:
+        yield client
 
 
 def test_completion_has_openai_shape_and_usage(client):
