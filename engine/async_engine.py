@@ -24,8 +24,8 @@ logger = logging.getLogger("loraserve.engine")
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, **config_kwargs):
-        self.engine = LLMEngine(config or EngineConfig(**config_kwargs))
+    def __init__(self, config: EngineConfig | None = None, *, engine: LLMEngine | None = None, **config_kwargs):
+        self.engine = engine or LLMEngine(config or EngineConfig(**config_kwargs))
         self._commands: deque[tuple[Callable[[], Any], Future]] = deque()
         self._wakeup = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

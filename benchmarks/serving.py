@@ -1,0 +1,422 @@
+"""Serving benchmark: base model vs many adapters, offline throughput and online latency.
+
+    python benchmarks/serving.py --shape llama3-8b --out results/      # on the H200
+    python benchmarks/serving.py --shape small --num-requests 16 --device cpu  # a smoke run of the code
+
+No weights are downloaded: the model has random weights at the real shapes (`load_format="dummy"`)
+and the adapters are random peft directories of rank 16 on all 7 projections, written to disk
+(adapter i of a large population is a directory whose weight file is a link to one of
+`--unique-adapters` files, so a thousand adapters take the disk of a few).
+
+Workloads: (a) base model only; (b) one adapter for every request; (c) 64 distinct adapters,
+uniform; (d) 1000 registered adapters, Zipf popularity, max_loras=32. Plus a sweep of the number
+of distinct adapters, online latency at a fixed request rate, the decode step against its bytes
+floor, and transformers+peft with a mixed-adapter batch as the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SHAPES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                      rope_theta=500000.0),
+    "small": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                  num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048, rope_theta=10000.0),
+}
+RESULTS: dict = {}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# ---- model and adapters on disk -----------------------------------------------------------------
+def make_model_dir(root: Path, shape: str) -> Path:
+    import transformers
+
+    from tests.tiny_models import make_tokenizer
+
+    path = root / f"model-{shape}"
+    path.mkdir(parents=True, exist_ok=True)
+    config = transformers.LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, tie_word_embeddings=False)
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(str(path))
+    make_tokenizer(path)
+    return path
+
+
+def module_shapes(shape: str) -> dict[str, tuple[int, int]]:
+    s = SHAPES[shape]
+    head_dim = s["hidden_size"] // s["num_attention_heads"]
+    kv = s["num_key_value_heads"] * head_dim
+    h, inter = s["hidden_size"], s["intermediate_size"]
+    per_layer = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+                 "self_attn.o_proj": (h, h), "mlp.gate_proj": (inter, h), "mlp.up_proj": (inter, h),
+                 "mlp.down_proj": (h, inter)}
+    return {f"model.layers.{i}.{name}": shp for i in range(s["num_hidden_layers"]) for name, shp in per_layer.items()}
+
+
+def make_adapters(root: Path, model_dir: Path, shape: str, total: int, unique: int, rank: int = 16) -> list[Path]:
+    from safetensors.torch import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    config = dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, target_modules=list(PROJECTIONS), bias="none",
+                  base_model_name_or_path=str(model_dir), fan_in_fan_out=False, use_rslora=False, use_dora=False)
+    weight_files = []
+    for u in range(unique):
+        file = root / f"weights-{u}.safetensors"
+        if not file.exists():
+            gen = torch.Generator().manual_seed(1000 + u)
+            tensors = {}
+            for name, (out_f, in_f) in module_shapes(shape).items():
+                key = f"base_model.model.{name}"
+                tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, in_f, generator=gen) / in_f ** 0.5).bfloat16()
+                tensors[f"{key}.lora_B.weight"] = (torch.randn(out_f, rank, generator=gen) * 0.01).bfloat16()
+            save_file(tensors, str(file))
+        weight_files.append(file)
+    paths = []
+    for i in range(total):
+        path = root / f"adapter-{i}"
+        path.mkdir(exist_ok=True)
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        link = path / "adapter_model.safetensors"
+        if not link.exists():
+            link.symlink_to(weight_files[i % unique])
+        paths.append(path)
+    return paths
+
+
+# ---- workloads ------------------------------------------------------------------------------------
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (n, length), generator=gen).tolist()
+
+
+def zipf_choice(n: int, population: int, seed: int = 0, a: float = 1.1) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    weights = 1.0 / torch.arange(1, population + 1, dtype=torch.float64) ** a
+    return torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
+
+
+def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    for prompt, lora in zip(batch, loras):
+        engine.add_request(prompt, params, lora)
+    steps = 0
+    decode_walls = []
+    while engine.has_unfinished_requests():
+        t = time.perf_counter()
+        engine.step()
+        steps += 1
+        if all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running):
+            decode_walls.append(time.perf_counter() - t)
+    sync()
+    elapsed = time.perf_counter() - start
+    tokens = len(batch) * output_len
+    return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=steps,
+                median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None)
+
+
+def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int) -> dict:
+    """Wall time and GPU time of decode steps at a fixed batch, for the floor ratio and GPU-idle fraction."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    for prompt, lora in zip(prompts(batch_size, context, vocab, seed=7), loras):
+        engine.add_request(prompt, params, lora)
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    walls, gpus = [], []
+    for _ in range(40):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        begin.record()
+        engine.step()
+        end.record()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - t)
+        gpus.append(begin.elapsed_time(end) / 1e3)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    # GPU busy time of one step: replay the captured graph alone
+    graphs = engine.runner.graphs
+    size = next(b for b in graphs.buckets if b >= batch_size)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(20):
+        graphs.graphs[size].replay()
+    end.record()
+    torch.cuda.synchronize()
+    graph_ms = begin.elapsed_time(end) / 20
+    wall_ms = 1e3 * statistics.median(walls)
+    return dict(batch=batch_size, context=context, step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
+                gpu_idle_fraction=max(0.0, 1 - graph_ms / wall_ms))
+
+
+def bytes_floor_ms(engine: LLMEngine, batch_size: int, context: int, distinct_adapters: int, bandwidth: float,
+                   rank: int = 16) -> float:
+    model = engine.model
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    weight_bytes -= model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size()  # rows gathered
+    cfg = engine.hf_config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes = 2 * cfg.num_hidden_layers * batch_size * context * cfg.num_key_value_heads * head_dim * 2
+    adapter_bytes = sum(rank * (out_f + in_f) * 2 for out_f, in_f in model.module_shapes().values())
+    return 1e3 * (weight_bytes + kv_bytes + distinct_adapters * adapter_bytes) / bandwidth
+
+
+def measure_bandwidth() -> float:
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = begin.elapsed_time(end) / 1e3 / 10
+    del src, dst
+    return 2 * (2 << 30) / seconds
+
+
+async def online(engine: AsyncEngine, batch: list[list[int]], loras: list, output_len: int, rate: float) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    ttft, tpot = [], []
+
+    async def one(prompt, lora):
+        start = time.perf_counter()
+        first = None
+        async for out in engine.generate(prompt, params, lora):
+            if first is None and out.outputs[0].token_ids:
+                first = time.perf_counter()
+        done = time.perf_counter()
+        ttft.append(first - start)
+        tpot.append((done - first) / max(1, output_len - 1))
+
+    gen = torch.Generator().manual_seed(3)
+    gaps = torch.empty(len(batch)).exponential_(rate, generator=gen).tolist()
+    tasks = []
+    start = time.perf_counter()
+    for prompt, lora, gap in zip(batch, loras, gaps):
+        tasks.append(asyncio.create_task(one(prompt, lora)))
+        await asyncio.sleep(gap)
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+
+    def pct(values, q):
+        return 1e3 * sorted(values)[min(len(values) - 1, int(q * len(values)))]
+
+    return dict(rate=rate, requests=len(batch), seconds=elapsed, ttft_p50_ms=pct(ttft, 0.5), ttft_p99_ms=pct(ttft, 0.99),
+                tpot_p50_ms=pct(tpot, 0.5), tpot_p99_ms=pct(tpot, 0.99))
+
+
+def transformers_peft_baseline(model_dir: Path, adapter_paths: list[Path], batch: int, prompt_len: int,
+                               new_tokens: int, vocab: int) -> dict:
+    import peft
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(str(model_dir))
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.eval()
+    ids = torch.tensor(prompts(batch, prompt_len, vocab, seed=11), device="cuda")
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:2], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, **kwargs)
+        torch.cuda.synchronize()
+        base = batch * new_tokens / (time.perf_counter() - t)
+    names = []
+    for i, path in enumerate(adapter_paths[:batch]):
+        name = f"a{i}"
+        if i == 0:
+            model = peft.PeftModel.from_pretrained(model, str(path), adapter_name=name)
+        else:
+            model.load_adapter(str(path), adapter_name=name)
+        names.append(name)
+    model.eval()
+    with torch.no_grad():
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(input_ids=ids, adapter_names=[names[i % len(names)] for i in range(batch)], **kwargs)
+        torch.cuda.synchronize()
+        mixed = batch * new_tokens / (time.perf_counter() - t)
+    del model
+    return dict(batch=batch, new_tokens=new_tokens, base_tok_per_s=base, mixed_adapters=len(names),
+                mixed_tok_per_s=mixed)
+
+
+# ---- driver ----------------------------------------------------------------------------------------
+def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
+    config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
+                          device=args.device, load_format="dummy",
+                          max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_batched_tokens, **overrides)
+    return LLMEngine(config)
+
+
+def free(engine) -> None:
+    del engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def save(out: Path) -> None:
+    (out / "serving.json").write_text(json.dumps(RESULTS, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--num-requests", type=int, default=512)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-batched-tokens", type=int, default=8192)
+    parser.add_argument("--unique-adapters", type=int, default=16)
+    parser.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 16, 64])
+    parser.add_argument("--online-rate", type=float, default=8.0)
+    parser.add_argument("--online-requests", type=int, default=128)
+    parser.add_argument("--budget-s", type=float, default=500)
+    parser.add_argument("--work", default="/tmp/loraserve-bench")
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    began = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    model_dir = make_model_dir(work, args.shape)
+    t = time.perf_counter()
+    paths = make_adapters(work / f"adapters-{args.shape}", model_dir, args.shape, 1000, args.unique_adapters)
+    log(f"adapters written in {time.perf_counter() - t:.1f}s")
+    RESULTS["config"] = vars(args)
+    gpu = args.device == "cuda"
+    RESULTS["hbm_bytes_per_s"] = bandwidth = measure_bandwidth() if gpu else 0.0
+    log(f"measured D2D bandwidth {bandwidth / 1e12:.2f} TB/s")
+    batch = prompts(args.num_requests, args.prompt_len, vocab)
+
+    def over_budget() -> bool:
+        return time.perf_counter() - began > args.budget_s
+
+    # (a) base only
+    engine = build_engine(model_dir, args)
+    offline(engine, batch[:8], [None] * 8, 4)
+    RESULTS["a_base"] = offline(engine, batch, [None] * len(batch), args.output_len)
+    log(f"(a) base: {RESULTS['a_base']}")
+    if gpu:
+        RESULTS["decode_base_b64"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
+        RESULTS["decode_base_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 0, bandwidth)
+        log(f"decode base b64: {RESULTS['decode_base_b64']}")
+    free(engine)
+    save(out)
+
+    # (b), (c) and the sweep: one engine with 64 slots
+    engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+    requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+    t = time.perf_counter()
+    for r in requests:
+        engine.lora_manager.add(r)
+    RESULTS["adapter_cold_load_s"] = (time.perf_counter() - t) / len(requests)
+    sync()
+    t = time.perf_counter()
+    engine.lora_manager.pin(requests[0])
+    sync()
+    RESULTS["adapter_host_to_slot_s"] = time.perf_counter() - t
+    engine.lora_manager.unpin(requests[0])
+    offline(engine, batch[:8], requests[:8], 4)
+    RESULTS["b_one_adapter"] = offline(engine, batch, [requests[0]] * len(batch), args.output_len)
+    log(f"(b) one adapter: {RESULTS['b_one_adapter']}")
+    RESULTS["c_64_adapters"] = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
+    log(f"(c) 64 adapters: {RESULTS['c_64_adapters']}")
+    if gpu:
+        RESULTS["decode_lora_b64"] = decode_step_profile(engine, 64, args.prompt_len, requests[:64], vocab)
+        RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth)
+        log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
+    save(out)
+    RESULTS["sweep"] = {}
+    for n in args.sweep:
+        if over_budget():
+            break
+        RESULTS["sweep"][n] = offline(engine, batch, [requests[i % n] for i in range(len(batch))], args.output_len)
+        log(f"sweep {n}: {RESULTS['sweep'][n]['tok_per_s']:.0f} tok/s")
+    save(out)
+    if not over_budget():
+        async_engine = AsyncEngine(engine=engine)
+
+        async def run_online():
+            online_batch = batch[:args.online_requests]
+            return await online(async_engine, online_batch, [requests[i % 64] for i in range(len(online_batch))],
+                                args.output_len, args.online_rate)
+
+        RESULTS["online_64_adapters"] = asyncio.run(run_online())
+        log(f"online: {RESULTS['online_64_adapters']}")
+        async_engine.shutdown()
+    free(engine)
+    save(out)
+
+    # (d) 1000 adapters, Zipf, 32 slots
+    if not over_budget():
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
+        population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        picks = zipf_choice(len(batch), len(population))
+        RESULTS["d_1000_zipf"] = offline(engine, batch, [population[i] for i in picks], args.output_len)
+        RESULTS["d_1000_zipf"]["distinct_adapters"] = len(set(picks))
+        log(f"(d) 1000 zipf: {RESULTS['d_1000_zipf']}")
+        free(engine)
+        save(out)
+
+    if gpu and not args.skip_baseline and not over_budget():
+        RESULTS["transformers_peft"] = transformers_peft_baseline(model_dir, paths, 32, args.prompt_len, 16, vocab)
+        log(f"transformers+peft: {RESULTS['transformers_peft']}")
+        save(out)
+    log(json.dumps(summary(), indent=1))
+
+
+def summary() -> dict:
+    r = RESULTS
+    s = {}
+    if "a_base" in r and "c_64_adapters" in r:
+        s["c_over_a"] = r["c_64_adapters"]["tok_per_s"] / r["a_base"]["tok_per_s"]
+    if "c_64_adapters" in r and "d_1000_zipf" in r:
+        s["d_over_c"] = r["d_1000_zipf"]["tok_per_s"] / r["c_64_adapters"]["tok_per_s"]
+    for key in ("decode_base_b64", "decode_lora_b64"):
+        if key in r:
+            s[f"{key}_over_floor"] = r[key]["step_wall_ms"] / r[key]["floor_ms"]
+    if "transformers_peft" in r and "c_64_adapters" in r:
+        s["c_over_transformers_peft_mixed"] = r["c_64_adapters"]["tok_per_s"] / r["transformers_peft"]["mixed_tok_per_s"]
+    RESULTS["summary"] = s
+    return s
+
+
+if __name__ == "__main__":
+    main()
