@@ -212,7 +212,13 @@ def _expand_sgmv_kernel(
         r_mask = offs_r < R
         hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         bv = tl.load(b_cols + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
+        if bv.dtype == tl.float32:
+            acc = _dot_acc(acc, hv, bv, DOT_F32)
+        else:
+            # h is float32: split it into two 16-bit halves so the tensor-core dot keeps ~16 bits of it.
+            hi = hv.to(bv.dtype)
+            acc = _dot_acc(acc, hi, bv, DOT_F32)
+            acc = _dot_acc(acc, (hv - hi.to(tl.float32)).to(bv.dtype), bv, DOT_F32)
     y_ptrs = y_ptr + rows[:, None] * stride_yt + col + offs_n[None, :]
     y_mask = m_mask[:, None] & n_mask[None, :]
     yv = tl.load(y_ptrs, mask=y_mask, other=0.0)

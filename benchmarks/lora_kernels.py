@@ -1,0 +1,488 @@
+"""Multi-LoRA kernels at Llama-3-8B shapes: correctness against float64, time, bytes floor, base-linear ratio.
+
+For every (rank, tokens, distinct adapters) scenario and every LoRA group of a decoder layer
+(q/k/v, o, gate/up, down), it checks the bf16 LoRA delta against float64 and times each
+shrink and expand, the whole layer (8 launches in one CUDA graph) and the base linears
+(`x @ W^T`) of the same layer. Each replay runs after an L2 flush, so adapter weights come
+from HBM as they would in a real step; the time is the median of CUDA-event timings.
+The floor is the bytes that must move (x once, each distinct adapter's A and B once, h,
+y read and written once) over the HBM bandwidth measured here with a large copy.
+
+    python benchmarks/lora_kernels.py --out DIR [--sweep] [--budget-s S]
+
+`--sweep` first times candidate launch configs per shape class and uses the winners (it
+prints them as the table for `kernels/lora_tuning.py`). Results go to DIR/lora_kernels.json and
+DIR/lora_kernels.md as they come; a short per-layer table is printed last. Without CUDA
+(`TRITON_INTERPRET=1`, `--smoke`) it runs tiny shapes to check the script itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import LoRAMetadata, lora_triton, lora_tuning, prepare_lora_metadata  # noqa: E402
+from kernels.lora_tuning import ExpandConfig, ShrinkConfig  # noqa: E402
+
+NUM_SLOTS = 64
+DTYPE = torch.bfloat16
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str
+    k: int
+    widths: tuple[int, ...]
+
+
+LLAMA3_8B = (
+    Group("qkv", 4096, (4096, 1024, 1024)),
+    Group("o", 4096, (4096,)),
+    Group("gate_up", 4096, (14336, 14336)),
+    Group("down", 14336, (4096,)),
+)
+SMOKE = (Group("qkv", 96, (64, 16, 16)), Group("o", 64, (64,)), Group("gate_up", 64, (80, 80)), Group("down", 80, (64,)))
+
+# Candidates for --sweep: (shrink configs, expand configs) per path.
+BGMV_SHRINK = [
+    ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=1)
+    for br, bk, sk, w in [(1, 2048, 1, 4), (2, 1024, 1, 4), (4, 1024, 1, 4), (4, 512, 1, 4), (8, 512, 1, 8),
+                          (16, 256, 1, 8), (4, 1024, 2, 4), (16, 512, 2, 8)]
+]
+BGMV_EXPAND = [
+    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=1)
+    for bn, br, w in [(64, 64, 2), (128, 64, 4), (256, 64, 4), (512, 32, 8), (256, 16, 4), (512, 16, 4), (1024, 16, 8)]
+]
+SGMV_BLOCK_M = [32, 64, 128]
+SGMV_SHRINK = [
+    ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=s)
+    for br, bk, sk, w, s in [(64, 64, 1, 4, 3), (64, 128, 1, 4, 3), (64, 64, 2, 4, 3), (64, 64, 4, 4, 3), (64, 128, 2, 8, 3)]
+]
+SGMV_EXPAND = [
+    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=s)
+    for bn, br, w, s in [(64, 64, 4, 2), (128, 64, 4, 2), (128, 32, 8, 2), (256, 64, 8, 2), (256, 32, 8, 3)]
+]
+
+
+# ---------------------------------------------------------------- timing
+
+
+class Timer:
+    """Median CUDA-event time of a captured graph, replayed after an L2 flush each time."""
+
+    def __init__(self, iters: int) -> None:
+        self.iters = iters
+        self.flush = torch.empty(256 << 20, dtype=torch.uint8, device=DEVICE) if CUDA else None
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        """Microseconds per call of fn (fn must only touch static buffers)."""
+        fn()  # compile and warm up outside the capture
+        if not CUDA:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e6
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        events = []
+        for i in range(self.iters + 3):
+            self.flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            if i >= 3:
+                events.append((start, end))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
+
+
+def measure_bandwidth() -> float:
+    """HBM bytes per second from a large device-to-device copy (bytes read + bytes written)."""
+    if not CUDA:
+        return 50e9
+    size = 2 << 30
+    src = torch.empty(size, dtype=torch.uint8, device=DEVICE).random_(0, 255)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(12):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        if i >= 2:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * size / statistics.median(times)
+
+
+# ---------------------------------------------------------------- data
+
+
+class Weights:
+    """A and B stacks for NUM_SLOTS adapter slots at one rank, plus the base W of each group."""
+
+    def __init__(self, groups: tuple[Group, ...], rank: int) -> None:
+        self.rank = rank
+        self.a = {g.name: [rand(NUM_SLOTS, rank, g.k, scale=g.k ** -0.5) for _ in g.widths] for g in groups}
+        self.b = {g.name: [rand(NUM_SLOTS, w, rank, scale=rank ** -0.5) for w in g.widths] for g in groups}
+
+
+def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).mul_(scale).to(DTYPE)
+
+
+@dataclass
+class Scenario:
+    rank: int
+    tokens: int
+    adapters: int
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.tokens <= 256 else "prefill"
+
+    @property
+    def label(self) -> str:
+        return f"r{self.rank} T{self.tokens} A{self.adapters}"
+
+
+def assign_slots(tokens: int, adapters: int) -> torch.Tensor:
+    """Tokens spread evenly over `adapters` slots, in shuffled order (never pre-sorted)."""
+    slots = torch.arange(tokens, device=DEVICE) % adapters
+    return slots[torch.randperm(tokens, device=DEVICE)].to(torch.int32)
+
+
+# ---------------------------------------------------------------- bytes
+
+
+def shrink_bytes(g: Group, tokens: int, adapters: int, rank: int) -> int:
+    return tokens * g.k * 2 + adapters * len(g.widths) * rank * g.k * 2 + len(g.widths) * tokens * rank * 4
+
+
+def expand_bytes(g: Group, tokens: int, adapters: int, rank: int) -> int:
+    n = sum(g.widths)
+    return len(g.widths) * tokens * rank * 4 + adapters * n * rank * 2 + 2 * tokens * n * 2
+
+
+def base_bytes(g: Group, tokens: int) -> int:
+    n = sum(g.widths)
+    return tokens * g.k * 2 + n * g.k * 2 + tokens * n * 2
+
+
+# ---------------------------------------------------------------- one scenario
+
+
+@dataclass
+class Result:
+    label: str
+    kind: str
+    rank: int
+    tokens: int
+    adapters: int
+    path: str
+    rel_err: float = math.nan
+    layer_us: float = math.nan
+    floor_us: float = math.nan
+    base_us: float = math.nan
+    other_path_us: float = math.nan
+    ops: dict = field(default_factory=dict)
+    error: str = ""
+
+    @property
+    def pct_floor(self) -> float:
+        return 100 * self.floor_us / self.layer_us
+
+    @property
+    def base_ratio(self) -> float:
+        return self.layer_us / self.base_us
+
+
+class Bench:
+    def __init__(self, groups: tuple[Group, ...], timer: Timer, bandwidth: float) -> None:
+        self.groups = groups
+        self.timer = timer
+        self.bandwidth = bandwidth
+        self.weights: dict[int, Weights] = {}
+        self.base_w = {g.name: rand(sum(g.widths), g.k, scale=g.k ** -0.5) for g in groups}
+        self.base_cache: dict[int, float] = {}
+
+    def weights_for(self, rank: int) -> Weights:
+        if rank not in self.weights:
+            self.weights.clear()
+            self.weights[rank] = Weights(self.groups, rank)
+        return self.weights[rank]
+
+    def floor_us(self, g: Group, sc: Scenario, op: str) -> float:
+        used = min(sc.adapters, sc.tokens)
+        nbytes = (shrink_bytes if op == "shrink" else expand_bytes)(g, sc.tokens, used, sc.rank)
+        return nbytes / self.bandwidth * 1e6
+
+    def buffers(self, sc: Scenario, block_m: int | None = None):
+        meta = prepare_lora_metadata(
+            assign_slots(sc.tokens, sc.adapters), NUM_SLOTS,
+            out=LoRAMetadata.empty(sc.tokens, NUM_SLOTS, DEVICE, block_m=block_m),
+        )
+        xs = {g.name: rand(sc.tokens, g.k) for g in self.groups}
+        ys = {g.name: rand(sc.tokens, sum(g.widths)) for g in self.groups}
+        hs = {g.name: torch.empty(len(g.widths), sc.tokens, sc.rank, device=DEVICE) for g in self.groups}
+        return meta, xs, ys, hs
+
+    def check(self, sc: Scenario, path: str) -> float:
+        """Largest relative error of the bf16 LoRA delta (shrink then expand) against float64, over the groups."""
+        w = self.weights_for(sc.rank)
+        meta, xs, ys, hs = self.buffers(sc)
+        slots = meta.slots[: sc.tokens].long()
+        worst = 0.0
+        for g in self.groups:
+            y0 = ys[g.name].double()
+            hs[g.name].fill_(float("nan"))
+            lora_triton.shrink_slices(xs[g.name], w.a[g.name], meta, hs[g.name], path=path)
+            lora_triton.expand_slices(ys[g.name], hs[g.name], w.b[g.name], meta, path=path)
+            ref = torch.zeros_like(y0)
+            x64 = xs[g.name].double()
+            for slot in range(min(sc.adapters, NUM_SLOTS)):
+                rows = (slots == slot).nonzero().squeeze(1)
+                col = 0
+                for a, b in zip(w.a[g.name], w.b[g.name]):
+                    ref[rows, col : col + b.shape[1]] = (x64[rows] @ a[slot].double().T) @ b[slot].double().T
+                    col += b.shape[1]
+            delta = ys[g.name].double() - y0
+            worst = max(worst, ((delta - ref).norm() / ref.norm()).item())
+        return worst
+
+    def layer_fn(self, sc: Scenario, path: str, buffers, cfgs: dict | None = None) -> Callable[[], None]:
+        w = self.weights_for(sc.rank)
+        meta, xs, ys, hs = buffers
+        cfgs = cfgs or {}
+
+        def run() -> None:
+            for g in self.groups:
+                lora_triton.shrink_slices(xs[g.name], w.a[g.name], meta, hs[g.name], path=path,
+                                          config=cfgs.get(("shrink", g.name)))
+                lora_triton.expand_slices(ys[g.name], hs[g.name], w.b[g.name], meta, path=path,
+                                          config=cfgs.get(("expand", g.name)))
+
+        return run
+
+    def op_fn(self, sc: Scenario, g: Group, op: str, path: str, buffers, cfg=None) -> Callable[[], None]:
+        w = self.weights_for(sc.rank)
+        meta, xs, ys, hs = buffers
+        if op == "shrink":
+            return lambda: lora_triton.shrink_slices(xs[g.name], w.a[g.name], meta, hs[g.name], path=path, config=cfg)
+        return lambda: lora_triton.expand_slices(ys[g.name], hs[g.name], w.b[g.name], meta, path=path, config=cfg)
+
+    def base_us(self, tokens: int) -> float:
+        if tokens not in self.base_cache:
+            xs = {g.name: rand(tokens, g.k) for g in self.groups}
+            ys = {g.name: torch.empty(tokens, sum(g.widths), device=DEVICE, dtype=DTYPE) for g in self.groups}
+
+            def run() -> None:
+                for g in self.groups:
+                    torch.matmul(xs[g.name], self.base_w[g.name].T, out=ys[g.name])
+
+            self.base_cache[tokens] = self.timer(run)
+        return self.base_cache[tokens]
+
+    def scenario(self, sc: Scenario) -> Result:
+        path = lora_tuning.choose_path(sc.tokens)
+        res = Result(sc.label, sc.kind, sc.rank, sc.tokens, sc.adapters, path)
+        try:
+            res.rel_err = self.check(sc, path)
+            buffers = self.buffers(sc)
+            res.floor_us = sum(self.floor_us(g, sc, op) for g in self.groups for op in ("shrink", "expand"))
+            for g in self.groups:
+                for op in ("shrink", "expand"):
+                    us = self.timer(self.op_fn(sc, g, op, path, buffers))
+                    res.ops[f"{g.name}.{op}"] = {"us": us, "floor_us": self.floor_us(g, sc, op)}
+            res.layer_us = self.timer(self.layer_fn(sc, path, buffers))
+            res.base_us = self.base_us(sc.tokens)
+            if sc.kind == "decode" and sc.tokens >= 16:
+                other = "sgmv" if path == "bgmv" else "bgmv"
+                res.other_path_us = self.timer(self.layer_fn(sc, other, buffers))
+        except Exception:  # noqa: BLE001 - one broken shape must not lose the table
+            res.error = traceback.format_exc(limit=3)[-800:]
+        return res
+
+
+# ---------------------------------------------------------------- sweep
+
+
+def sweep(bench: Bench, ranks: list[int], log: list, decode: tuple[int, int], prefill: tuple[int, int]) -> dict:
+    """Time candidate configs per shape class; install and return the winners."""
+    groups = {g.name: g for g in bench.groups}
+    winners: dict = {"shrink": {}, "expand": {}, "block_m": None}
+
+    def best(sc: Scenario, names: list[str], op: str, path: str, cands: list, buffers) -> tuple[object, float]:
+        scored = []
+        for cfg in cands:
+            try:
+                us = sum(bench.timer(bench.op_fn(sc, groups[n], op, path, buffers, cfg)) for n in names)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just not a winner
+                us = math.inf
+                log.append({"sweep": sc.label, "op": op, "path": path, "cfg": asdict(cfg), "error": str(exc)[:200]})
+            scored.append((us, cfg))
+            log.append({"sweep": sc.label, "op": op, "path": path, "cfg": asdict(cfg), "us": us})
+            print(f"  sweep {sc.label} {path} {op} {asdict(cfg)}: {us:.1f} us", flush=True)
+        us, cfg = min(scored, key=lambda s: s[0])
+        return cfg, us
+
+    for rank in ranks:
+        sc = Scenario(rank, *decode)
+        buffers = bench.buffers(sc)
+        winners["shrink"][("bgmv", rank)] = best(sc, ["qkv", "down"], "shrink", "bgmv", BGMV_SHRINK, buffers)[0]
+        winners["expand"][("bgmv", rank)] = best(sc, ["qkv", "gate_up"], "expand", "bgmv", BGMV_EXPAND, buffers)[0]
+    totals = {}
+    for block_m in SGMV_BLOCK_M:
+        total = 0.0
+        for rank in ranks:
+            sc = Scenario(rank, *prefill)
+            buffers = bench.buffers(sc, block_m)
+            s_cands = [replace(c, block_r=min(c.block_r, max(16, rank))) for c in SGMV_SHRINK]
+            e_cands = [replace(c, block_r=min(c.block_r, max(16, rank))) for c in SGMV_EXPAND]
+            cfg_s, us_s = best(sc, ["qkv", "down"], "shrink", "sgmv", s_cands, buffers)
+            cfg_e, us_e = best(sc, ["gate_up", "o"], "expand", "sgmv", e_cands, buffers)
+            winners["shrink"][("sgmv", rank, block_m)] = cfg_s
+            winners["expand"][("sgmv", rank, block_m)] = cfg_e
+            total += us_s + us_e
+        totals[block_m] = total
+    block_m = min(totals, key=totals.get)
+    winners["block_m"] = block_m
+    install(winners, ranks)
+    return winners
+
+
+def install(winners: dict, ranks: list[int]) -> None:
+    """Put sweep winners into the tuning table for the rest of this run (rank buckets from the swept ranks)."""
+    block_m = winners["block_m"]
+    lora_tuning.sgmv_block_m = lambda max_tokens: 16 if max_tokens < 512 else block_m
+    for op, table in (("shrink", lora_tuning._SHRINK), ("expand", lora_tuning._EXPAND)):
+        for key in [k for k in table]:
+            path, bucket = key
+            rank = min(ranks, key=lambda r: abs(math.log2(r) - math.log2(bucket)))
+            win = winners[op].get((path, rank) if path == "bgmv" else (path, rank, block_m))
+            if win is not None:
+                table[key] = win
+    lora_tuning.shrink_config.cache_clear()
+    lora_tuning.expand_config.cache_clear()
+
+
+def table_source(winners: dict) -> str:
+    lines = [f"SGMV block_m = {winners['block_m']}"]
+    for op in ("shrink", "expand"):
+        for key, cfg in sorted(winners[op].items(), key=str):
+            if key[0] == "bgmv" or key[2] == winners["block_m"]:
+                lines.append(f"{op} {key[:2]}: {cfg}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(v: float, digits: int = 1) -> str:
+    return "-" if v is None or (isinstance(v, float) and (math.isnan(v) or math.isinf(v))) else f"{v:.{digits}f}"
+
+
+def markdown(results: list[Result], meta: dict) -> str:
+    out = [
+        f"Device: {meta['device']}; measured HBM copy bandwidth {meta['bandwidth_tbs']:.2f} TB/s; "
+        f"torch {meta['torch']}, triton {meta['triton']}; bf16; per decoder layer = q/k/v + o + gate/up + down.",
+        "",
+        "| scenario | path | rel err | LoRA layer µs | floor µs | % floor | base linears µs | LoRA/base | other path µs |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.error:
+            out.append(f"| {r.label} | {r.path} | error: {r.error.splitlines()[-1][:80]} | | | | | | |")
+            continue
+        out.append(
+            f"| {r.label} | {r.path} | {r.rel_err:.1e} | {fmt(r.layer_us)} | {fmt(r.floor_us)} | {fmt(r.pct_floor, 0)} "
+            f"| {fmt(r.base_us)} | {fmt(r.base_ratio, 2)} | {fmt(r.other_path_us)} |"
+        )
+    out += ["", "Per op (µs measured / µs floor):", "",
+            "| scenario | " + " | ".join(f"{g}.{op}" for g in ("qkv", "o", "gate_up", "down")
+                                          for op in ("shrink", "expand")) + " |",
+            "|---" * 9 + "|"]
+    for r in results:
+        if r.ops:
+            cells = [f"{fmt(v['us'])} / {fmt(v['floor_us'])}" for v in r.ops.values()]
+            out.append(f"| {r.label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def scenarios(ranks: list[int], smoke: bool) -> list[Scenario]:
+    decode = [(1, 1), (16, 1), (16, 8), (64, 1), (64, 8), (64, 64), (256, 1), (256, 8), (256, 64)]
+    prefill = [(1024, 1), (1024, 8), (1024, 64), (4096, 8), (8192, 1), (8192, 8), (8192, 64)]
+    if smoke:
+        decode, prefill = [(1, 1), (16, 8), (64, 64)], [(300, 8)]
+    first = [Scenario(16, 64, 64), Scenario(16, 8192, 8)] if not smoke else []
+    rest = [Scenario(r, t, a) for r in ranks for t, a in decode + prefill]
+    return first + [s for s in rest if s not in first]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("."))
+    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new scenarios after this")
+    parser.add_argument("--iters", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script without a GPU")
+    args = parser.parse_args()
+    began = time.time()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    import triton
+
+    meta = {
+        "device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter)",
+        "torch": torch.__version__, "triton": triton.__version__,
+        "command": " ".join(sys.argv),
+    }
+    bandwidth = measure_bandwidth()
+    meta["bandwidth_tbs"] = bandwidth / 1e12
+    print(f"{meta['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth)
+    sweep_log: list = []
+    if args.sweep:
+        if args.smoke:
+            winners = sweep(bench, [16], sweep_log, decode=(8, 8), prefill=(64, 2))
+        else:
+            winners = sweep(bench, [16, 64], sweep_log, decode=(64, 64), prefill=(8192, 8))
+        meta["sweep_winners"] = table_source(winners)
+        print("sweep winners:\n" + meta["sweep_winners"], flush=True)
+        meta["sweep_s"] = time.time() - began
+    results: list[Result] = []
+    for sc in scenarios(args.ranks, args.smoke):
+        if time.time() - began > args.budget_s:
+            print(f"budget reached; skipping {sc.label} and later", flush=True)
+            break
+        res = bench.scenario(sc)
+        results.append(res)
+        print(f"{res.label:18} {res.path} err {res.rel_err:.1e} layer {fmt(res.layer_us)} us floor {fmt(res.floor_us)} "
+              f"base {fmt(res.base_us)} other {fmt(res.other_path_us)} {res.error.splitlines()[-1] if res.error else ''}",
+              flush=True)
+        (args.out / "lora_kernels.json").write_text(json.dumps(
+            {"meta": meta, "results": [asdict(r) for r in results], "sweep": sweep_log}, indent=1, default=str))
+        (args.out / "lora_kernels.md").write_text(markdown(results, meta))
+    print("\n" + markdown(results, meta).split("\n\nPer op")[0])
+    print(f"total {time.time() - began:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
