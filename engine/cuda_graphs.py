@@ -34,6 +34,10 @@ class DecodeGraphs:
         self.block_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
         self.context_lens = torch.ones(top, dtype=torch.long, device=device)
         self.lora_slots = torch.full((top,), -1, dtype=torch.long, device=device)
+        self._device_rows = (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots)
+        # page-locked staging, reused every step, so the host-to-device copies are asynchronous
+        self._host_rows = torch.zeros((5, top), dtype=torch.long).pin_memory()
+        self._host_tables = torch.zeros((top, max_blocks_per_seq), dtype=torch.long).pin_memory()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.lora_meta: dict[int, object] = {}
@@ -43,7 +47,7 @@ class DecodeGraphs:
         attention = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size], query_lens=[1] * size, context_lens_list=[1] * size,
-            decode_only=True,
+            num_decode=size,
         )
         return StepInput(self.input_ids[:size], self.positions[:size], attention, self.lora_meta.get(size))
 
@@ -74,27 +78,19 @@ class DecodeGraphs:
         """Hidden states [B, hidden] of one decode token per sequence."""
         batch = len(input_ids)
         size = next(b for b in self.buckets if b >= batch)
-        bs = self.block_size
+        bs, pad = self.block_size, size - batch
         width = self.block_tables.shape[1]
-        tables = torch.full((size, width), self.scratch_block, dtype=torch.long)
-        for row, table in enumerate(block_tables):
-            tables[row, :len(table)] = torch.tensor(table, dtype=torch.long)
-        pad = size - batch
         slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
-        host = torch.tensor([
-            input_ids + [0] * pad,
-            positions + [0] * pad,
-            slots + [self.scratch_block * bs] * pad,
-            [p + 1 for p in positions] + [1] * pad,
-            lora_slots + [-1] * pad,
-        ], dtype=torch.long).pin_memory()
-        device_host = host.to(self.input_ids.device, non_blocking=True)
-        self.input_ids[:size].copy_(device_host[0])
-        self.positions[:size].copy_(device_host[1])
-        self.slot_mapping[:size].copy_(device_host[2])
-        self.context_lens[:size].copy_(device_host[3])
-        self.lora_slots[:size].copy_(device_host[4])
-        self.block_tables[:size].copy_(tables.pin_memory().to(self.input_ids.device, non_blocking=True))
+        rows = input_ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_block * bs] * pad, \
+            [p + 1 for p in positions] + [1] * pad, lora_slots + [-1] * pad
+        staged = self._host_rows[:, :size]
+        staged.copy_(torch.tensor(rows, dtype=torch.long))
+        tables = self._host_tables[:size]
+        tables.copy_(torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables]
+                                  + [[self.scratch_block] * width] * pad, dtype=torch.long))
+        for target, source in zip(self._device_rows, staged):
+            target[:size].copy_(source, non_blocking=True)
+        self.block_tables[:size].copy_(tables, non_blocking=True)
         if self.num_lora_slots:
             import kernels
 

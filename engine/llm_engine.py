@@ -219,7 +219,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.empty:
             return []
-        scheduled = plan.scheduled
+        scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
         slots = ([self.lora_manager.slot_for(item.seq.request.lora_request) for item in scheduled]
                  if self.lora_manager else [-1] * len(scheduled))
         result = self.runner.execute(scheduled, slots)

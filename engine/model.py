@@ -112,11 +112,17 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
         write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        split = attn.num_decode
         if attn.decode_only:
             out = decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
         else:
-            out = paged_attention_prefill(q, k_cache, v_cache, attn.block_tables, attn.query_lens,
-                                          attn.context_lens_list, self.scale)
+            out = torch.empty_like(q)
+            if split:
+                out[:split] = decode_attention(q[:split], k_cache, v_cache, attn.block_tables[:split],
+                                               attn.context_lens[:split], self.scale)
+            out[split:] = paged_attention_prefill(q[split:], k_cache, v_cache, attn.block_tables[split:],
+                                                  attn.query_lens[split:], attn.context_lens_list[split:],
+                                                  self.scale)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
 
 

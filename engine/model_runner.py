@@ -27,7 +27,10 @@ class ModelRunner:
         self.graphs = None
 
     def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
-        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model)."""
+        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model).
+
+        Sequences with one new token should come first: they share one batched decode attention.
+        """
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -53,7 +56,7 @@ class ModelRunner:
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
             query_lens=query_lens,
             context_lens_list=context_lens,
-            decode_only=all(n == 1 for n in query_lens),
+            num_decode=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
         )
         lora = None
         if any(s >= 0 for s in adapter_slots):

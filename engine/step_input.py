@@ -14,7 +14,11 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] tokens in the cache after this step, per sequence
     query_lens: list[int]  # new tokens per sequence, in batch order
     context_lens_list: list[int]
-    decode_only: bool  # every sequence has exactly one new token
+    num_decode: int  # the leading sequences with exactly one new token (batched decode attention)
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decode == len(self.query_lens)
 
 
 @dataclass
