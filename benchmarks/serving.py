@@ -140,7 +140,27 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None)
 
 
-def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int) -> dict:
+def _eager_step_profile(engine: LLMEngine) -> str:
+    """Per-kernel GPU time of one eager decode step of the running batch (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.scheduler import ScheduledSequence
+
+    scheduled = [ScheduledSequence(seq, 1) for seq in engine.scheduler.running]
+    slots = [engine.lora_manager.slot_for(s.seq.request.lora_request) if engine.lora_manager else -1
+             for s in scheduled]
+    step = engine.runner.build_step(scheduled, slots)
+    with torch.inference_mode():
+        engine.model(step, engine.runner.kv_caches)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            engine.model(step, engine.runner.kv_caches)
+            sync()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int,
+                        profile_to: Path | None = None) -> dict:
     """Wall time and GPU time of decode steps at a fixed batch, for the floor ratio and GPU-idle fraction."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     for prompt, lora in zip(prompts(batch_size, context, vocab, seed=7), loras):
@@ -158,6 +178,8 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         torch.cuda.synchronize()
         walls.append(time.perf_counter() - t)
         gpus.append(begin.elapsed_time(end) / 1e3)
+    if profile_to is not None:
+        profile_to.write_text(_eager_step_profile(engine))
     for request_id in list(engine.requests):
         engine.abort(request_id)
     # GPU busy time of one step: replay the captured graph alone
@@ -334,7 +356,8 @@ def main() -> None:
     RESULTS["a_base"] = offline(engine, batch, [None] * len(batch), args.output_len)
     log(f"(a) base: {RESULTS['a_base']}")
     if gpu:
-        RESULTS["decode_base_b64"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
+        RESULTS["decode_base_b64"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab,
+                                                          out / "profile_base_b64.txt")
         RESULTS["decode_base_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 0, bandwidth)
         log(f"decode base b64: {RESULTS['decode_base_b64']}")
     free(engine)
@@ -359,7 +382,8 @@ def main() -> None:
     RESULTS["c_64_adapters"] = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
     log(f"(c) 64 adapters: {RESULTS['c_64_adapters']}")
     if gpu:
-        RESULTS["decode_lora_b64"] = decode_step_profile(engine, 64, args.prompt_len, requests[:64], vocab)
+        RESULTS["decode_lora_b64"] = decode_step_profile(engine, 64, args.prompt_len, requests[:64], vocab,
+                                                          out / "profile_lora_b64.txt")
         RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth)
         log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
     save(out)
