@@ -22,6 +22,8 @@ from .sequence import Request, Sequence, SequenceStatus
 
 logger = logging.getLogger("loraserve.engine")
 
+# the class a checkpoint of each model type is, for configs that do not say (GGUF conversions)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
 
@@ -133,7 +135,7 @@ class LLMEngine:
     def model_info(self):
         from adapters_registry import ModelInfo
 
-        architectures = getattr(self.hf_config, "architectures", None) or [""]
+        architectures = getattr(self.hf_config, "architectures", None) or [ARCHITECTURES[self.hf_config.model_type]]
         return ModelInfo(architecture=architectures[0], model_type=self.hf_config.model_type,
                          name_or_path=self.model_name, module_shapes=self.model.module_shapes(),
                          max_lora_rank=self.config.max_lora_rank)

@@ -66,6 +66,7 @@ def convert_gguf(gguf_path: Path) -> Path:
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    config.architectures = config.architectures or [type(model).__name__]
     config.save_pretrained(str(partial))
     save_model(model, str(partial / "model.safetensors"))
     tokenizer.save_pretrained(str(partial))

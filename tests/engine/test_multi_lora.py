@@ -153,3 +153,18 @@ def test_reload_in_place_gives_new_weights_to_new_requests_only(tiny_llama, adap
     finished = run_to_completion(engine)
     assert finished[running].outputs[0].token_ids == reference[(PROMPTS[1], old.lora_name)][0]
     assert finished[fresh].outputs[0].token_ids == reference[(PROMPTS[1], replacement.lora_name)][0]
+
+
+def test_a_config_without_architectures_still_accepts_its_family_adapters(tiny_llama, adapters, tmp_path):
+    import json
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny_llama, bare)
+    config = json.loads((bare / "config.json").read_text())
+    config.pop("architectures", None)
+    (bare / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(bare), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16)
+    assert llm.engine.model_info.architecture == "LlamaForCausalLM"
+    (output,) = llm.generate([PROMPTS[0]], PARAMS, lora_request=adapters[2], use_tqdm=False)
+    assert output.outputs[0].finish_reason == "length"
