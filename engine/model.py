@@ -122,7 +122,7 @@ class Attention(nn.Module):
                                                attn.context_lens[:split], self.scale)
             out[split:] = paged_attention_prefill(q[split:], k_cache, v_cache, attn.block_tables[split:],
                                                   attn.query_lens[split:], attn.context_lens_list[split:],
-                                                  self.scale)
+                                                  self.scale, k[split:], v[split:])
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
 
 

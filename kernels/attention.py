@@ -53,26 +53,32 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                            scale: float) -> torch.Tensor:
+                            scale: float, k: torch.Tensor | None = None,
+                            v: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for chunks of new tokens: q [T, H, D] (sequences back to back) -> [T, H, D].
 
-    Sequence i's queries are its last query_lens[i] positions of context_lens[i] cached tokens.
+    Sequence i's queries are its last query_lens[i] positions of context_lens[i] cached tokens. A
+    sequence with no earlier context attends to its own new keys/values (k, v [T, kv_heads, D], when
+    given) with a plain causal mask, which lets SDPA pick its flash kernel; others read the cache.
     """
     heads = q.shape[1]
     kv_heads = k_cache.shape[2]
     out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
-        qi = q[start:start + q_len].transpose(0, 1)  # [H, L, D]
-        ki = _gather(k_cache, block_tables[i], ctx_len).transpose(0, 1)  # [kvh, ctx, D]
-        vi = _gather(v_cache, block_tables[i], ctx_len).transpose(0, 1)
-        if kv_heads != heads:
-            ki = ki.repeat_interleave(heads // kv_heads, dim=0)
-            vi = vi.repeat_interleave(heads // kv_heads, dim=0)
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
-        mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos
+        qi = q[start:start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
+        if q_len == ctx_len and k is not None:
+            ki = k[start:start + q_len].transpose(0, 1).unsqueeze(0)
+            vi = v[start:start + q_len].transpose(0, 1).unsqueeze(0)
+            mask, causal = None, True
+        else:
+            ki = _gather(k_cache, block_tables[i], ctx_len).transpose(0, 1).unsqueeze(0)  # [1, kvh, ctx, D]
+            vi = _gather(v_cache, block_tables[i], ctx_len).transpose(0, 1).unsqueeze(0)
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)[:, None]
+            mask, causal = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos, False
         attn = torch.nn.functional.scaled_dot_product_attention(
-            qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0), attn_mask=mask, scale=scale
+            qi, ki.to(qi.dtype), vi.to(qi.dtype), attn_mask=mask, is_causal=causal, scale=scale,
+            enable_gqa=kv_heads != heads,
         )
         out[start:start + q_len] = attn.squeeze(0).transpose(0, 1)
         start += q_len
