@@ -69,13 +69,14 @@ class LLMEngine:
                              f"max_position_embeddings ({limit})")
         self.model = self._build_model(model_dir)
         self.block_size = config.block_size
+        # adapter slots are allocated before the KV cache is sized from what memory is left
+        self.lora_manager = self._build_lora_manager() if config.enable_lora else None
         num_blocks = self._num_kv_blocks()
         head_dim = self.model.layers[0].self_attn.head_dim
         # one block more than the allocator hands out: a scratch block for CUDA-graph padding rows
         kv_caches = allocate_kv_caches(self.hf_config.num_hidden_layers, num_blocks + 1, self.block_size,
                                        self.hf_config.num_key_value_heads, head_dim, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
-        self.lora_manager = self._build_lora_manager() if config.enable_lora else None
         self.scheduler = Scheduler(
             self.allocator, self.block_size, config.max_num_seqs,
             config.max_num_batched_tokens or max(4096, min(self.max_model_len, 8192)),
@@ -224,6 +225,8 @@ class LLMEngine:
         scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
         slots = ([self.lora_manager.slot_for(item.seq.request.lora_request) for item in scheduled]
                  if self.lora_manager else [-1] * len(scheduled))
+        if self.lora_manager:
+            self.lora_manager.wait_for_loads()
         result = self.runner.execute(scheduled, slots)
         self._record_prompt_logprobs(scheduled, result)
         sampling = [i for i, item in enumerate(scheduled) if item.samples]

@@ -50,6 +50,9 @@ class LoRAManager:
         self.removed: set[int] = set()
         self._clock = itertools.count()
         self._slot_used_at = [0] * max_loras
+        # host-to-device slot loads run on a side stream; the next forward waits on their events
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pending_loads: list[torch.cuda.Event] = []
 
     # ---- registration ---------------------------------------------------------------------
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
@@ -145,8 +148,28 @@ class LoRAManager:
         while len(self.host) > self.max_cpu_loras:
             self.host.popitem(last=False)
 
+    def wait_for_loads(self) -> None:
+        """Make the compute stream wait (on the device, not the host) for slot loads in flight."""
+        current = torch.cuda.current_stream(self.device) if self._pending_loads else None
+        for event in self._pending_loads:
+            current.wait_event(event)
+        self._pending_loads.clear()
+
     def _load_into_slot(self, lora_request: LoRARequest, slot: int) -> None:
         adapter = self._host_copy(lora_request)
+        if self._copy_stream is None:
+            self._copy_weights(adapter, slot)
+        else:
+            # the slot may still be read by work queued on the compute stream for its last owner
+            self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_weights(adapter, slot)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            self._pending_loads.append(event)
+        self.slot_owner[slot] = lora_request.lora_int_id
+
+    def _copy_weights(self, adapter: LoadedAdapter, slot: int) -> None:
         for prefix, linear in self._layers.items():
             parent = prefix.rsplit(".", 1)[0]
             for i, name in enumerate(linear.names):
@@ -161,7 +184,6 @@ class LoRAManager:
                 b[:, r:].zero_()
                 a[:r].copy_(weights.lora_a, non_blocking=True)
                 b[:, :r].copy_(weights.lora_b, non_blocking=True)
-        self.slot_owner[slot] = lora_request.lora_int_id
 
     def _free(self, int_id: int) -> None:
         if int_id in self.slot_owner:
