@@ -323,7 +323,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--unique-adapters", type=int, default=16)
-    parser.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 16, 64])
+    parser.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--online-rate", type=float, default=8.0)
     parser.add_argument("--online-requests", type=int, default=128)
     parser.add_argument("--budget-s", type=float, default=500)
