@@ -57,24 +57,32 @@ LLAMA3_8B = (
 )
 SMOKE = (Group("qkv", 96, (64, 16, 16)), Group("o", 64, (64,)), Group("gate_up", 64, (80, 80)), Group("down", 80, (64,)))
 
-# Candidates for --sweep: (shrink configs, expand configs) per path.
+# Candidates for --sweep, per path (block_r and block_k are capped at the rank and K at launch).
 BGMV_SHRINK = [
     ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=1)
-    for br, bk, sk, w in [(1, 2048, 1, 4), (2, 1024, 1, 4), (4, 512, 1, 4), (8, 512, 1, 8), (16, 256, 1, 8),
-                          (4, 1024, 2, 4)]
+    for br, bk, sk, w in [(1, 2048, 1, 4), (1, 16384, 1, 4), (1, 16384, 1, 8), (2, 8192, 1, 8), (4, 4096, 1, 8),
+                          (4, 512, 1, 4), (8, 2048, 1, 8), (2, 4096, 2, 4)]
 ]
 BGMV_EXPAND = [
-    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=1)
-    for bn, br, w in [(64, 64, 2), (128, 64, 4), (256, 32, 4), (512, 16, 4), (1024, 16, 8)]
+    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=1, n_blocks=g)
+    for bn, br, w, g in [(64, 64, 2, 1), (256, 32, 4, 1), (256, 64, 4, 1), (512, 16, 4, 1), (128, 64, 4, 2),
+                         (256, 64, 8, 2), (128, 64, 4, 4), (512, 64, 8, 1)]
 ]
-SGMV_BLOCK_M = [64, 128]
+SGMV_BLOCK_M = [32, 64, 128]
+SGMV_SHRINK_SMALL = [
+    ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=s)
+    for br, bk, sk, w, s in [(64, 64, 4, 4, 4), (64, 128, 4, 4, 3), (64, 128, 8, 4, 3), (64, 256, 8, 4, 2),
+                             (64, 128, 16, 4, 2), (64, 256, 4, 8, 3)]
+]
 SGMV_SHRINK = [
     ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=s)
-    for br, bk, sk, w, s in [(64, 64, 1, 4, 3), (64, 128, 1, 8, 3), (64, 64, 2, 4, 3), (64, 64, 4, 4, 4)]
+    for br, bk, sk, w, s in [(64, 128, 1, 8, 3), (64, 64, 4, 4, 4), (64, 128, 2, 8, 3), (64, 128, 4, 8, 3),
+                             (64, 64, 2, 4, 4), (64, 256, 4, 8, 2)]
 ]
 SGMV_EXPAND = [
-    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=s)
-    for bn, br, w, s in [(64, 64, 4, 2), (128, 64, 4, 2), (128, 32, 8, 2), (256, 32, 8, 3)]
+    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=s, n_blocks=g)
+    for bn, br, w, s, g in [(64, 64, 4, 2, 1), (128, 64, 4, 2, 1), (64, 64, 4, 3, 4), (128, 64, 4, 3, 4),
+                            (128, 32, 8, 3, 8), (64, 32, 4, 3, 8), (256, 32, 8, 3, 4), (128, 64, 8, 2, 2)]
 ]
 
 
@@ -323,74 +331,70 @@ class Bench:
 # ---------------------------------------------------------------- sweep
 
 
-def sweep(bench: Bench, ranks: list[int], log: list, decode: tuple[int, int], prefill: tuple[int, int]) -> dict:
-    """Time candidate configs per shape class; install and return the winners."""
-    groups = {g.name: g for g in bench.groups}
-    iters, bench.timer.iters = bench.timer.iters, 15
-    winners: dict = {"shrink": {}, "expand": {}, "block_m": None}
+def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 64)) -> dict:
+    """Time candidate configs per shape class, install the winners for the rest of the run and return them.
 
-    def best(sc: Scenario, names: list[str], op: str, path: str, cands: list, buffers) -> tuple[object, float]:
+    `classes` maps "bgmv", "sgmv_small", "sgmv" to the (tokens, adapters) scenarios that score them.
+    """
+    groups = {g.name: g for g in bench.groups}
+    iters, bench.timer.iters = bench.timer.iters, 10
+    shrink_wins: dict = {}
+    expand_wins: dict = {}
+
+    def best(cands, op, path, names, buffer_sets, rank, label) -> tuple[object, float]:
         scored = []
         for cfg in cands:
+            cfg = replace(cfg, block_r=max(1 if path == "bgmv" else 16, min(cfg.block_r, rank)))
             try:
-                us = sum(bench.timer(bench.op_fn(sc, groups[n], op, path, buffers, cfg)) for n in names)
+                us = sum(bench.timer(bench.op_fn(sc, groups[n], op, path, buf, cfg))
+                         for sc, buf in buffer_sets for n in names)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile is just not a winner
                 us = math.inf
-                log.append({"sweep": sc.label, "op": op, "path": path, "cfg": asdict(cfg), "error": str(exc)[:200]})
+                log.append({"sweep": label, "op": op, "cfg": asdict(cfg), "error": str(exc)[:300]})
             scored.append((us, cfg))
-            log.append({"sweep": sc.label, "op": op, "path": path, "cfg": asdict(cfg), "us": us})
-            print(f"  sweep {sc.label} {path} {op} {asdict(cfg)}: {us:.1f} us", flush=True)
+            log.append({"sweep": label, "op": op, "groups": names, "cfg": asdict(cfg), "us": us})
+            print(f"  sweep {label} {op} {'+'.join(names)} {asdict(cfg)}: {us:.1f} us", flush=True)
         us, cfg = min(scored, key=lambda s: s[0])
         return cfg, us
 
-    for rank in ranks:
-        sc = Scenario(rank, *decode)
-        buffers = bench.buffers(sc)
-        winners["shrink"][("bgmv", rank)] = best(sc, ["qkv", "down"], "shrink", "bgmv", BGMV_SHRINK, buffers)[0]
-        winners["expand"][("bgmv", rank)] = best(sc, ["gate_up"], "expand", "bgmv", BGMV_EXPAND, buffers)[0]
-    totals = {}
-    for block_m in SGMV_BLOCK_M:
+    def tune(path: str, block_m: int, shrink_cands, expand_cands, scenarios) -> float:
         total = 0.0
         for rank in ranks:
-            sc = Scenario(rank, *prefill)
-            buffers = bench.buffers(sc, block_m)
-            s_cands = [replace(c, block_r=min(c.block_r, max(16, rank))) for c in SGMV_SHRINK]
-            e_cands = [replace(c, block_r=min(c.block_r, max(16, rank))) for c in SGMV_EXPAND]
-            cfg_s, us_s = best(sc, ["down"], "shrink", "sgmv", s_cands, buffers)
-            cfg_e, us_e = best(sc, ["gate_up"], "expand", "sgmv", e_cands, buffers)
-            winners["shrink"][("sgmv", rank, block_m)] = cfg_s
-            winners["expand"][("sgmv", rank, block_m)] = cfg_e
-            total += us_s + us_e
-        totals[block_m] = total
+            sets = [(sc, bench.buffers(sc, block_m or None)) for sc in (Scenario(rank, t, a) for t, a in scenarios)]
+            label = f"{path} block_m={block_m} r{rank}"
+            for multi, names in ((True, ["qkv"]), (False, ["down"])):
+                cfg, us = best(shrink_cands, "shrink", path, names, sets, rank, label)
+                shrink_wins[(path, block_m, rank, multi)] = cfg
+                total += us
+            cfg, us = best(expand_cands, "expand", path, ["gate_up", "o"], sets, rank, label)
+            expand_wins[(path, block_m, rank)] = cfg
+            total += us
+        return total
+
+    tune("bgmv", 0, BGMV_SHRINK, BGMV_EXPAND, classes["bgmv"])
+    tune("sgmv", 16, SGMV_SHRINK_SMALL, SGMV_EXPAND, classes["sgmv_small"])
+    totals = {bm: tune("sgmv", bm, SGMV_SHRINK, SGMV_EXPAND, classes["sgmv"]) for bm in SGMV_BLOCK_M}
     block_m = min(totals, key=totals.get)
-    winners["block_m"] = block_m
-    install(winners, ranks)
-    bench.timer.iters = iters
-    return winners
-
-
-def install(winners: dict, ranks: list[int]) -> None:
-    """Put sweep winners into the tuning table for the rest of this run (rank buckets from the swept ranks)."""
-    block_m = winners["block_m"]
-    lora_tuning.sgmv_block_m = lambda max_tokens: 16 if max_tokens < 512 else block_m
-    for op, table in (("shrink", lora_tuning._SHRINK), ("expand", lora_tuning._EXPAND)):
-        for key in [k for k in table]:
-            path, bucket = key
-            rank = min(ranks, key=lambda r: abs(math.log2(r) - math.log2(bucket)))
-            win = winners[op].get((path, rank) if path == "bgmv" else (path, rank, block_m))
-            if win is not None:
-                table[key] = win
+    shrink_wins = {k: v for k, v in shrink_wins.items() if k[1] in (0, 16, block_m)}
+    expand_wins = {k: v for k, v in expand_wins.items() if k[1] in (0, 16, block_m)}
+    lora_tuning._SHRINK.clear()
+    lora_tuning._SHRINK.update(shrink_wins)
+    lora_tuning._EXPAND.clear()
+    lora_tuning._EXPAND.update(expand_wins)
+    lora_tuning.SGMV_BLOCK_M = block_m
     lora_tuning.shrink_config.cache_clear()
     lora_tuning.expand_config.cache_clear()
+    bench.timer.iters = iters
+    return {"block_m": block_m, "block_m_totals_us": totals, "shrink": shrink_wins, "expand": expand_wins}
 
 
 def table_source(winners: dict) -> str:
-    lines = [f"SGMV block_m = {winners['block_m']}"]
-    for op in ("shrink", "expand"):
-        for key, cfg in sorted(winners[op].items(), key=str):
-            if key[0] == "bgmv" or key[2] == winners["block_m"]:
-                lines.append(f"{op} {key[:2]}: {cfg}")
-    return "\n".join(lines)
+    """The winners as the Python literals of kernels/lora_tuning.py."""
+    lines = [f"SGMV_BLOCK_M = {winners['block_m']}", "_SHRINK = {"]
+    lines += [f"    {k!r}: {v!r}," for k, v in sorted(winners["shrink"].items())]
+    lines += ["}", "_EXPAND = {"]
+    lines += [f"    {k!r}: {v!r}," for k, v in sorted(winners["expand"].items())]
+    return "\n".join(lines + ["}"])
 
 
 # ---------------------------------------------------------------- report
@@ -463,9 +467,14 @@ def main() -> None:
     sweep_log: list = []
     if args.sweep:
         if args.smoke:
-            winners = sweep(bench, [16], sweep_log, decode=(8, 8), prefill=(64, 2))
+            for name in ("BGMV_SHRINK", "BGMV_EXPAND", "SGMV_SHRINK_SMALL", "SGMV_SHRINK", "SGMV_EXPAND"):
+                globals()[name] = globals()[name][:2]
+            classes = {"bgmv": [(8, 8)], "sgmv_small": [(40, 4)], "sgmv": [(40, 4)]}
+            winners = sweep(bench, sweep_log, classes, ranks=(16,))
         else:
-            winners = sweep(bench, [16, 64], sweep_log, decode=(64, 64), prefill=(8192, 8))
+            classes = {"bgmv": [(64, 64), (16, 8)], "sgmv_small": [(256, 8), (256, 64)],
+                       "sgmv": [(8192, 8), (1024, 64)]}
+            winners = sweep(bench, sweep_log, classes)
         meta["sweep_winners"] = table_source(winners)
         print("sweep winners:\n" + meta["sweep_winners"], flush=True)
         meta["sweep_s"] = time.time() - began

@@ -52,7 +52,7 @@ def _shrink_bgmv_kernel(
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
     x_row = x_ptr + tok.to(tl.int64) * stride_xt
     k_lo = ks * k_per_split
-    acc = tl.zeros([BLOCK_R, BLOCK_K], dtype=tl.float32)
+    hv = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
@@ -62,8 +62,7 @@ def _shrink_bgmv_kernel(
             k_mask = offs_k < K
             xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
             av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
-        acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
-    hv = tl.sum(acc, axis=1)
+        hv += tl.sum(av.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     if SPLIT_K == 1:
         tl.store(h_ptrs, hv, mask=r_mask)
     else:
@@ -141,11 +140,11 @@ def _shrink_sgmv_kernel(
 
 @triton.jit
 def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01):
-    """Map a flat column-block index over all slices to (slice, block in slice, width, first column, B)."""
+    """Map a flat column-chunk index over all slices to (slice, chunk in slice, width, first column, B)."""
     in1 = (j >= NB0).to(tl.int32)
     in2 = (j >= NB01).to(tl.int32)
     sl = in1 + in2
-    block = j - in1 * NB0 - in2 * (NB01 - NB0)
+    chunk = j - in1 * NB0 - in2 * (NB01 - NB0)
     width = N0 + in1 * (N1 - N0) + in2 * (N2 - N1)
     col = in1 * N0 + in2 * N1
     if sl == 0:
@@ -154,42 +153,44 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01):
         b_ptr = b1_ptr
     else:
         b_ptr = b2_ptr
-    return sl, block, width, col, b_ptr
+    return sl, chunk, width, col, b_ptr
 
 
 @triton.jit
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, stride_hn, stride_ht, stride_yt,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
 ):
     tok = tl.program_id(0)
     j = tl.program_id(1)
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    sl, block, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
-    b_rows = b_ptr + slot.to(tl.int64) * width * R + offs_n[:, None] * R
+    sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
+    b_ptr += slot.to(tl.int64) * width * R
     h_row = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
-        bv = tl.load(b_rows + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-        acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
-    y_ptrs = y_ptr + tok.to(tl.int64) * stride_yt + col + offs_n
-    yv = tl.load(y_ptrs, mask=n_mask, other=0.0)
-    tl.store(y_ptrs, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
+    y_row = y_ptr + tok.to(tl.int64) * stride_yt + col
+    for g in range(N_BLOCKS):
+        offs_n = (chunk * N_BLOCKS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < width
+        yv = tl.load(y_row + offs_n, mask=n_mask, other=0.0)  # issued before the B loads it waits on
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < R
+            hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
+            bv = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+            acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
+        tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
 @triton.jit
 def _expand_sgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, stride_hn, stride_ht, stride_yt,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
+    DOT_F32: tl.constexpr,
 ):
     tile = tl.program_id(0)
     j = tl.program_id(1)
@@ -198,31 +199,32 @@ def _expand_sgmv_kernel(
         return
     start = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
-    sl, block, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
+    sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < length
     rows = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    offs_n = block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < width
-    b_cols = b_ptr + slot.to(tl.int64) * width * R + offs_n[None, :] * R
+    b_ptr += slot.to(tl.int64) * width * R
     h_rows = h_ptr + sl * stride_hn + rows[:, None] * stride_ht
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        bv = tl.load(b_cols + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        if bv.dtype == tl.float32:
-            acc = _dot_acc(acc, hv, bv, DOT_F32)
-        else:
-            # h is float32: split it into two 16-bit halves so the tensor-core dot keeps ~16 bits of it.
-            hi = hv.to(bv.dtype)
-            acc = _dot_acc(acc, hi, bv, DOT_F32)
-            acc = _dot_acc(acc, (hv - hi.to(tl.float32)).to(bv.dtype), bv, DOT_F32)
-    y_ptrs = y_ptr + rows[:, None] * stride_yt + col + offs_n[None, :]
-    y_mask = m_mask[:, None] & n_mask[None, :]
-    yv = tl.load(y_ptrs, mask=y_mask, other=0.0)
-    tl.store(y_ptrs, (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
+    y_rows = y_ptr + rows[:, None] * stride_yt + col
+    for g in range(N_BLOCKS):
+        offs_n = (chunk * N_BLOCKS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_mask = offs_n < width
+        y_mask = m_mask[:, None] & n_mask[None, :]
+        yv = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            offs_r = r0 + tl.arange(0, BLOCK_R)
+            r_mask = offs_r < R
+            hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+            bv = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+            if bv.dtype == tl.float32:
+                acc = _dot_acc(acc, hv, bv, DOT_F32)
+            else:
+                # h is float32: split it into two 16-bit halves so the tensor-core dot keeps ~16 bits of it.
+                hi = hv.to(bv.dtype)
+                acc = _dot_acc(acc, hi, bv, DOT_F32)
+                acc = _dot_acc(acc, (hv - hi.to(tl.float32)).to(bv.dtype), bv, DOT_F32)
+        tl.store(y_rows + offs_n[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
 
 
 # Under TRITON_INTERPRET=1 (at import) the kernels are interpreted: dots of bfloat16 then go through float32.
@@ -271,7 +273,7 @@ def shrink_slices(
     if num_tokens == 0:
         return out
     path = path or lora_tuning.choose_path(num_tokens)
-    cfg = config or lora_tuning.shrink_config(path, rank)
+    cfg = config or lora_tuning.shrink_config(path, meta.block_m, rank, n)
     min_block = 16 if path == "sgmv" else 1
     block_r = max(min_block, min(cfg.block_r, _pow2(rank)))
     block_k = max(16, min(cfg.block_k, _pow2(k)))
@@ -317,20 +319,22 @@ def expand_slices(
     rank = b_slices[0].shape[2]
     b_slices = [b.contiguous() for b in b_slices]
     path = path or lora_tuning.choose_path(num_tokens)
-    cfg = config or lora_tuning.expand_config(path, rank)
+    cfg = config or lora_tuning.expand_config(path, meta.block_m, rank)
     min_block = 16 if path == "sgmv" else 1
     block_r = max(min_block, min(cfg.block_r, _pow2(rank)))
     widths = [b.shape[1] for b in b_slices] + [0] * (MAX_SLICES - len(b_slices))
-    blocks = [triton.cdiv(w, cfg.block_n) for w in widths]
+    blocks = [triton.cdiv(w, cfg.block_n * cfg.n_blocks) for w in widths]
     b0, b1, b2 = _padded(b_slices)
     common = (rank, *widths, blocks[0], blocks[0] + blocks[1], h.stride(0), h.stride(1), y.stride(0))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if path == "bgmv":
         _expand_bgmv_kernel[(num_tokens, sum(blocks))](
-            h, b0, b1, b2, meta.slots, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r, **launch,
+            h, b0, b1, b2, meta.slots, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
+            **launch,
         )
     else:
         _expand_sgmv_kernel[(meta.num_tiles, sum(blocks))](
             h, b0, b1, b2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, y, *common,
-            BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, DOT_F32=_dot_f32(y.dtype), **launch,
+            BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
+            DOT_F32=_dot_f32(y.dtype), **launch,
         )

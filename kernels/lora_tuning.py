@@ -1,7 +1,10 @@
 """Launch parameters for the LoRA kernels, per shape class, chosen offline on an H200.
 
-Looked up by shape at call time; nothing is searched at run time. `benchmarks/lora_kernels.py`
-sweeps candidates and prints the winners that go here.
+Looked up by shape at call time; nothing is searched at run time. `benchmarks/lora_kernels.py
+--sweep` times candidates per class and prints the winners that go here (see BENCHMARKS.md).
+Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
+smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
+the launch (their accumulators share registers).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from functools import lru_cache
 
 # Batches with at least this many tokens take the segment (SGMV) path; smaller ones go per token (BGMV).
 SGMV_MIN_TOKENS = 128
+# SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
+SGMV_LARGE_TOKENS = 512
+SGMV_BLOCK_M = 64
 
 
 @dataclass(frozen=True)
@@ -28,24 +34,32 @@ class ExpandConfig:
     block_r: int
     num_warps: int
     num_stages: int
+    n_blocks: int = 1  # column blocks per program
 
 
-# (path, rank bucket) -> config; the bucket is the smallest key >= the padded rank.
-_SHRINK: dict[tuple[str, int], ShrinkConfig] = {
-    ("bgmv", 16): ShrinkConfig(block_r=4, block_k=1024, split_k=1, num_warps=4, num_stages=1),
-    ("bgmv", 64): ShrinkConfig(block_r=4, block_k=1024, split_k=1, num_warps=4, num_stages=1),
-    ("bgmv", 256): ShrinkConfig(block_r=4, block_k=512, split_k=1, num_warps=4, num_stages=1),
-    ("sgmv", 16): ShrinkConfig(block_r=16, block_k=64, split_k=2, num_warps=4, num_stages=3),
-    ("sgmv", 64): ShrinkConfig(block_r=64, block_k=64, split_k=2, num_warps=4, num_stages=3),
-    ("sgmv", 256): ShrinkConfig(block_r=64, block_k=32, split_k=2, num_warps=4, num_stages=2),
+# (path, block_m or 0 for BGMV, rank bucket, several slices) -> config
+_SHRINK: dict[tuple[str, int, int, bool], ShrinkConfig] = {
+    ("bgmv", 0, 16, False): ShrinkConfig(block_r=1, block_k=2048, split_k=1, num_warps=4, num_stages=1),
+    ("bgmv", 0, 16, True): ShrinkConfig(block_r=1, block_k=2048, split_k=1, num_warps=4, num_stages=1),
+    ("bgmv", 0, 64, False): ShrinkConfig(block_r=4, block_k=512, split_k=1, num_warps=4, num_stages=1),
+    ("bgmv", 0, 64, True): ShrinkConfig(block_r=4, block_k=512, split_k=1, num_warps=4, num_stages=1),
+    ("sgmv", 16, 16, False): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 16, 16, True): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 16, 64, False): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 16, 64, True): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 64, 16, False): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 64, 16, True): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 64, 64, False): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 64, 64, True): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
 }
-_EXPAND: dict[tuple[str, int], ExpandConfig] = {
-    ("bgmv", 16): ExpandConfig(block_n=256, block_r=16, num_warps=4, num_stages=1),
-    ("bgmv", 64): ExpandConfig(block_n=128, block_r=64, num_warps=4, num_stages=1),
-    ("bgmv", 256): ExpandConfig(block_n=64, block_r=64, num_warps=4, num_stages=1),
-    ("sgmv", 16): ExpandConfig(block_n=128, block_r=16, num_warps=4, num_stages=2),
-    ("sgmv", 64): ExpandConfig(block_n=128, block_r=64, num_warps=4, num_stages=2),
-    ("sgmv", 256): ExpandConfig(block_n=64, block_r=64, num_warps=4, num_stages=2),
+# (path, block_m or 0 for BGMV, rank bucket) -> config
+_EXPAND: dict[tuple[str, int, int], ExpandConfig] = {
+    ("bgmv", 0, 16): ExpandConfig(block_n=256, block_r=32, num_warps=4, num_stages=1),
+    ("bgmv", 0, 64): ExpandConfig(block_n=64, block_r=64, num_warps=2, num_stages=1),
+    ("sgmv", 16, 16): ExpandConfig(block_n=64, block_r=16, num_warps=4, num_stages=2),
+    ("sgmv", 16, 64): ExpandConfig(block_n=128, block_r=32, num_warps=8, num_stages=2),
+    ("sgmv", 64, 16): ExpandConfig(block_n=64, block_r=16, num_warps=4, num_stages=2),
+    ("sgmv", 64, 64): ExpandConfig(block_n=128, block_r=32, num_warps=8, num_stages=2),
 }
 
 
@@ -55,19 +69,23 @@ def choose_path(num_tokens: int) -> str:
 
 def sgmv_block_m(max_tokens: int) -> int:
     """Rows per SGMV tile, fixed when the metadata buffers are made."""
-    return 16 if max_tokens < 512 else 64
+    return 16 if max_tokens < SGMV_LARGE_TOKENS else SGMV_BLOCK_M
 
 
-def _bucket(table: dict, path: str, rank: int) -> tuple[str, int]:
-    buckets = sorted(b for p, b in table if p == path)
-    return path, next((b for b in buckets if b >= rank), buckets[-1])
-
-
-@lru_cache(maxsize=None)
-def shrink_config(path: str, rank: int) -> ShrinkConfig:
-    return _SHRINK[_bucket(_SHRINK, path, rank)]
+def _nearest(keys, value: int) -> int:
+    below = [k for k in keys if k >= value]
+    return min(below) if below else max(keys)
 
 
 @lru_cache(maxsize=None)
-def expand_config(path: str, rank: int) -> ExpandConfig:
-    return _EXPAND[_bucket(_EXPAND, path, rank)]
+def shrink_config(path: str, block_m: int, rank: int, num_slices: int) -> ShrinkConfig:
+    block_m = 0 if path == "bgmv" else _nearest({k[1] for k in _SHRINK if k[0] == path}, block_m)
+    bucket = _nearest({k[2] for k in _SHRINK if k[:2] == (path, block_m)}, rank)
+    return _SHRINK[(path, block_m, bucket, num_slices > 1)]
+
+
+@lru_cache(maxsize=None)
+def expand_config(path: str, block_m: int, rank: int) -> ExpandConfig:
+    block_m = 0 if path == "bgmv" else _nearest({k[1] for k in _EXPAND if k[0] == path}, block_m)
+    bucket = _nearest({k[2] for k in _EXPAND if k[:2] == (path, block_m)}, rank)
+    return _EXPAND[(path, block_m, bucket)]

@@ -53,16 +53,16 @@ def _triton(path: str, block_r: int, split_k: int) -> Impl:
         partial(lora_triton.shrink_slices, path=path,
                 config=ShrinkConfig(block_r=block_r, block_k=16, split_k=split_k, num_warps=4, num_stages=1)),
         partial(lora_triton.expand_slices, path=path,
-                config=ExpandConfig(block_n=16, block_r=block_r, num_warps=4, num_stages=1)),
+                config=ExpandConfig(block_n=16, block_r=block_r, num_warps=4, num_stages=1, n_blocks=split_k)),
     )
 
 
 IMPLS = [
     pytest.param(Impl(lora_torch.shrink_slices, lora_torch.expand_slices), id="torch"),
     pytest.param(_triton("bgmv", block_r=8, split_k=1), id="bgmv", marks=needs_triton),
-    pytest.param(_triton("bgmv", block_r=8, split_k=2), id="bgmv_split_k", marks=needs_triton),
+    pytest.param(_triton("bgmv", block_r=8, split_k=2), id="bgmv_split_k_n_blocks", marks=needs_triton),
     pytest.param(_triton("sgmv", block_r=16, split_k=1), id="sgmv", marks=needs_triton),
-    pytest.param(_triton("sgmv", block_r=16, split_k=3), id="sgmv_split_k", marks=needs_triton),
+    pytest.param(_triton("sgmv", block_r=16, split_k=3), id="sgmv_split_k_n_blocks", marks=needs_triton),
 ]
 # float32 dots run as tf32 on the GPU's tensor cores; elsewhere they are exact float32.
 TOLERANCE = {torch.float32: 5e-3 if DEVICE == "cuda" else 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
