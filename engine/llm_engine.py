@@ -89,6 +89,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         self.requests: dict[str, Request] = {}
+        self._pending_detokenization: list[tuple[Sequence, int]] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         torch.manual_seed(config.seed)
@@ -219,9 +220,12 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One forward pass. Detokenizing the previous step's tokens (and matching stop strings) runs
+        while the GPU computes this one, so a sequence ended by a stop string is seen one step late
+        (its extra token is dropped) and streamed text lags the tokens by one step."""
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
+            return [self._output(request) for request in self._finish_detokenization()]
         scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
         slots = ([self.lora_manager.slot_for(item.seq.request.lora_request) for item in scheduled]
                  if self.lora_manager else [-1] * len(scheduled))
@@ -230,24 +234,36 @@ class LLMEngine:
         result = self.runner.execute(scheduled, slots)
         self._record_prompt_logprobs(scheduled, result)
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
-        sampled = []
+        logits = None
         if sampling:
             rows = [result.starts[i] + scheduled[i].num_new_tokens - 1 for i in sampling]
             logits = self.model.compute_logits(result.hidden[rows])
-            sampled = self.sampler(logits, [self._sampling_row(scheduled[i].seq) for i in sampling])
+        touched = self._finish_detokenization()
+        sampled = self.sampler(logits, [self._sampling_row(scheduled[i].seq) for i in sampling]) if sampling else []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        touched: dict[str, Request] = {}
         for i, token in zip(sampling, sampled):
             seq = scheduled[i].seq
-            self._append_token(seq, token)
+            if seq.status is SequenceStatus.FINISHED:  # ended by a stop string found above
+                continue
+            if self._append_token(seq, token):
+                self._pending_detokenization.append((seq, token.token_id))
+            else:
+                touched[seq.request.request_id] = seq.request
+        return [self._output(request) for request in touched.values()]
+
+    def _finish_detokenization(self) -> dict[str, Request]:
+        """Detokenize the tokens the last step appended; end sequences whose stop string matched."""
+        touched: dict[str, Request] = {}
+        for seq, token_id in self._pending_detokenization:
+            if seq.status is SequenceStatus.FINISHED:
+                continue
+            matched = seq.detokenizer.append(token_id)
+            if matched is not None:
+                self._finish(seq, "stop", matched)
             touched[seq.request.request_id] = seq.request
-        outputs = []
-        for request in touched.values():
-            outputs.append(self._output(request))
-            if request.finished:
-                del self.requests[request.request_id]
-        return outputs
+        self._pending_detokenization.clear()
+        return touched
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
@@ -267,34 +283,38 @@ class LLMEngine:
             targets = seq.token_ids[start + 1:end + 1]
             record.extend(gather_logprobs(logprobs, targets, request.params.prompt_logprobs))
 
-    def _append_token(self, seq: Sequence, token) -> None:
+    def _append_token(self, seq: Sequence, token) -> bool:
+        """Record a sampled token; True when the sequence goes on and its detokenization is deferred."""
         params = seq.request.params
         seq.token_ids.append(token.token_id)
         seq.cumulative_logprob += token.logprob
         if seq.logprobs is not None:
             seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        reason, stop_reason = None, None
-        stop_token = num_output > params.min_tokens - 1 and (
+        stop_token = num_output >= params.min_tokens and (
             (token.token_id in self.eos_token_ids and not params.ignore_eos)
             or token.token_id in params.stop_token_ids
         )
+        at_length = num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len
+        if not stop_token and not at_length:
+            return True
         if stop_token:
-            reason = "stop"
-            stop_reason = token.token_id if token.token_id in params.stop_token_ids else None
             if params.include_stop_str_in_output:
                 seq.detokenizer.append(token.token_id)
+            stop_reason = token.token_id if token.token_id in params.stop_token_ids else None
+            self._finish(seq, "stop", stop_reason)
         else:
             matched = seq.detokenizer.append(token.token_id)
-            if matched is not None and num_output >= params.min_tokens:
-                reason, stop_reason = "stop", matched
-        if reason is None and (num_output >= params.max_tokens or len(seq.token_ids) >= self.max_model_len):
-            reason = "length"
-        if reason is not None:
-            seq.finish_reason, seq.stop_reason = reason, stop_reason
-            self.scheduler.finish(seq)
+            self._finish(seq, "stop" if matched is not None else "length", matched)
+        return False
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None) -> None:
+        seq.finish_reason, seq.stop_reason = reason, stop_reason
+        self.scheduler.finish(seq)
 
     def _output(self, request: Request) -> RequestOutput:
+        if request.finished:
+            self.requests.pop(request.request_id, None)
         completions = []
         for seq in request.sequences:
             done = seq.status is SequenceStatus.FINISHED
