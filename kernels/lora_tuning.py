@@ -37,29 +37,30 @@ class ExpandConfig:
     n_blocks: int = 1  # column blocks per program
 
 
+# Winners of `benchmarks/lora_kernels.py --sweep` on an H200 (torch 2.11, triton 3.6), 2026-11-29.
 # (path, block_m or 0 for BGMV, rank bucket, several slices) -> config
 _SHRINK: dict[tuple[str, int, int, bool], ShrinkConfig] = {
-    ("bgmv", 0, 16, False): ShrinkConfig(block_r=1, block_k=2048, split_k=1, num_warps=4, num_stages=1),
-    ("bgmv", 0, 16, True): ShrinkConfig(block_r=1, block_k=2048, split_k=1, num_warps=4, num_stages=1),
-    ("bgmv", 0, 64, False): ShrinkConfig(block_r=4, block_k=512, split_k=1, num_warps=4, num_stages=1),
-    ("bgmv", 0, 64, True): ShrinkConfig(block_r=4, block_k=512, split_k=1, num_warps=4, num_stages=1),
-    ("sgmv", 16, 16, False): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
-    ("sgmv", 16, 16, True): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
-    ("sgmv", 16, 64, False): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
-    ("sgmv", 16, 64, True): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("bgmv", 0, 16, False): ShrinkConfig(block_r=2, block_k=8192, split_k=1, num_warps=8, num_stages=1),
+    ("bgmv", 0, 16, True): ShrinkConfig(block_r=1, block_k=16384, split_k=1, num_warps=4, num_stages=1),
+    ("bgmv", 0, 64, False): ShrinkConfig(block_r=1, block_k=2048, split_k=1, num_warps=4, num_stages=1),
+    ("bgmv", 0, 64, True): ShrinkConfig(block_r=1, block_k=16384, split_k=1, num_warps=8, num_stages=1),
+    ("sgmv", 16, 16, False): ShrinkConfig(block_r=16, block_k=128, split_k=8, num_warps=4, num_stages=3),
+    ("sgmv", 16, 16, True): ShrinkConfig(block_r=16, block_k=256, split_k=8, num_warps=4, num_stages=2),
+    ("sgmv", 16, 64, False): ShrinkConfig(block_r=64, block_k=128, split_k=16, num_warps=4, num_stages=2),
+    ("sgmv", 16, 64, True): ShrinkConfig(block_r=64, block_k=128, split_k=16, num_warps=4, num_stages=2),
     ("sgmv", 64, 16, False): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
     ("sgmv", 64, 16, True): ShrinkConfig(block_r=16, block_k=64, split_k=4, num_warps=4, num_stages=4),
-    ("sgmv", 64, 64, False): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
-    ("sgmv", 64, 64, True): ShrinkConfig(block_r=64, block_k=64, split_k=4, num_warps=4, num_stages=4),
+    ("sgmv", 64, 64, False): ShrinkConfig(block_r=64, block_k=128, split_k=4, num_warps=8, num_stages=3),
+    ("sgmv", 64, 64, True): ShrinkConfig(block_r=64, block_k=128, split_k=1, num_warps=8, num_stages=3),
 }
 # (path, block_m or 0 for BGMV, rank bucket) -> config
 _EXPAND: dict[tuple[str, int, int], ExpandConfig] = {
-    ("bgmv", 0, 16): ExpandConfig(block_n=256, block_r=32, num_warps=4, num_stages=1),
-    ("bgmv", 0, 64): ExpandConfig(block_n=64, block_r=64, num_warps=2, num_stages=1),
-    ("sgmv", 16, 16): ExpandConfig(block_n=64, block_r=16, num_warps=4, num_stages=2),
-    ("sgmv", 16, 64): ExpandConfig(block_n=128, block_r=32, num_warps=8, num_stages=2),
-    ("sgmv", 64, 16): ExpandConfig(block_n=64, block_r=16, num_warps=4, num_stages=2),
-    ("sgmv", 64, 64): ExpandConfig(block_n=128, block_r=32, num_warps=8, num_stages=2),
+    ("bgmv", 0, 16): ExpandConfig(block_n=256, block_r=16, num_warps=4, num_stages=1, n_blocks=1),
+    ("bgmv", 0, 64): ExpandConfig(block_n=64, block_r=64, num_warps=2, num_stages=1, n_blocks=1),
+    ("sgmv", 16, 16): ExpandConfig(block_n=128, block_r=16, num_warps=4, num_stages=2, n_blocks=1),
+    ("sgmv", 16, 64): ExpandConfig(block_n=128, block_r=64, num_warps=4, num_stages=2, n_blocks=1),
+    ("sgmv", 64, 16): ExpandConfig(block_n=128, block_r=16, num_warps=4, num_stages=2, n_blocks=1),
+    ("sgmv", 64, 64): ExpandConfig(block_n=128, block_r=64, num_warps=4, num_stages=3, n_blocks=4),
 }
 
 

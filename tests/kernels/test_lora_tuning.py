@@ -1,0 +1,25 @@
+"""The tuning table answers every shape class the kernels can be launched with."""
+
+import pytest
+
+from kernels import lora_tuning
+
+
+def test_small_batches_go_per_token_and_large_ones_by_segment():
+    assert lora_tuning.choose_path(lora_tuning.SGMV_MIN_TOKENS - 1) == "bgmv"
+    assert lora_tuning.choose_path(lora_tuning.SGMV_MIN_TOKENS) == "sgmv"
+
+
+def test_tile_height_grows_with_the_metadata_capacity():
+    assert lora_tuning.sgmv_block_m(lora_tuning.SGMV_LARGE_TOKENS - 1) == 16
+    assert lora_tuning.sgmv_block_m(lora_tuning.SGMV_LARGE_TOKENS) == lora_tuning.SGMV_BLOCK_M
+
+
+@pytest.mark.parametrize("max_tokens", [1, 300, 8192])
+@pytest.mark.parametrize("path", ["bgmv", "sgmv"])
+def test_every_rank_and_slice_count_has_a_config(path, max_tokens):
+    block_m = lora_tuning.sgmv_block_m(max_tokens)
+    for rank in (1, 8, 12, 16, 17, 32, 64, 128, 256):
+        assert lora_tuning.expand_config(path, block_m, rank).block_n > 0
+        for num_slices in (1, 2, 3):
+            assert lora_tuning.shrink_config(path, block_m, rank, num_slices).block_k > 0
