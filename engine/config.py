@@ -24,6 +24,7 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     allow_pickle_adapters: bool = False
     enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
+    tensor_parallel_size: int = 1  # ranks (one process and one GPU each) the model is sharded over
     load_format: str = "auto"  # "dummy": random weights at the checkpoint's shapes (benchmarks)
     seed: int = 0
 
@@ -32,7 +33,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto; got {self.device!r}")
-        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank"):
+        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_cpu_loras is None:

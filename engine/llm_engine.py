@@ -72,10 +72,10 @@ class LLMEngine:
         # adapter slots are allocated before the KV cache is sized from what memory is left
         self.lora_manager = self._build_lora_manager() if config.enable_lora else None
         num_blocks = self._num_kv_blocks()
-        head_dim = self.model.layers[0].self_attn.head_dim
+        attn = self.model.layers[0].self_attn  # this rank's KV heads under tensor parallelism
         # one block more than the allocator hands out: a scratch block for CUDA-graph padding rows
         kv_caches = allocate_kv_caches(self.hf_config.num_hidden_layers, num_blocks + 1, self.block_size,
-                                       self.hf_config.num_key_value_heads, head_dim, self.dtype, self.device)
+                                       attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(
             self.allocator, self.block_size, config.max_num_seqs,
@@ -84,7 +84,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
@@ -95,6 +95,11 @@ class LLMEngine:
         torch.manual_seed(config.seed)
 
     def _build_model(self, model_dir) -> LlamaForCausalLM:
+        if self.config.tensor_parallel_size > 1:
+            from .parallel import launch_tensor_parallel
+
+            return launch_tensor_parallel(self.config, self.hf_config, model_dir, dtype=self.dtype,
+                                          device=self.device, max_model_len=self.max_model_len)
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
@@ -112,9 +117,9 @@ class LLMEngine:
         cfg = self.config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
-        head_dim = self.model.layers[0].self_attn.head_dim
-        per_block = bytes_per_block(self.hf_config.num_hidden_layers, self.hf_config.num_key_value_heads,
-                                    head_dim, self.block_size, self.dtype)
+        attn = self.model.layers[0].self_attn
+        per_block = bytes_per_block(self.hf_config.num_hidden_layers, attn.num_kv_heads, attn.head_dim,
+                                    self.block_size, self.dtype)
         wanted = cfg.max_num_seqs * -(-self.max_model_len // self.block_size)
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
@@ -128,10 +133,11 @@ class LLMEngine:
     def _build_lora_manager(self):
         from .lora_manager import LoRAManager
 
+        hooks = self.model.lora_hooks(self.model_info) if self.config.tensor_parallel_size > 1 else {}
         return LoRAManager(self.model, self.model_info, max_loras=self.config.max_loras,
                            max_lora_rank=self.config.max_lora_rank, max_cpu_loras=self.config.max_cpu_loras,
                            device=self.device, dtype=self.dtype,
-                           allow_pickle=self.config.allow_pickle_adapters)
+                           allow_pickle=self.config.allow_pickle_adapters, **hooks)
 
     @property
     def model_info(self):
@@ -332,6 +338,11 @@ class LLMEngine:
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             lora_name=request.lora_request.lora_name if request.lora_request else None,
         )
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (a single-process engine has nothing to stop)."""
+        if self.config.tensor_parallel_size > 1:
+            self.model.close()
 
     def stats(self) -> EngineStats:
         used, total = (self.lora_manager.slot_usage() if self.lora_manager else (0, 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,13 +30,19 @@ class LoRAResidency:
 
 class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
-                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False):
+                 max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False,
+                 adapter_transform: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
+                 on_slot_load: Callable[[LoRARequest, int], None] | None = None):
+        """adapter_transform: applied to every adapter before it is cached (tensor parallelism: this rank's
+        shard). on_slot_load: told of every slot load before it happens (tensor parallelism: the workers)."""
         self.model_info = model_info
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
         self.device = device
         self.dtype = dtype
         self.allow_pickle = allow_pickle
+        self.adapter_transform = adapter_transform
+        self.on_slot_load = on_slot_load
         self.num_slots = max_loras
         self._layers = model.lora_layers()
         for linear in self._layers.values():
@@ -61,7 +68,7 @@ class LoRAManager:
         self.removed.discard(lora_request.lora_int_id)
         self.known[lora_request.lora_int_id] = lora_request
         if adapter is not None:
-            self._cache(lora_request.lora_int_id, _pinned(adapter, self.device))
+            self._cache(lora_request.lora_int_id, _pinned(self._transform(adapter), self.device))
         else:
             self._host_copy(lora_request)
 
@@ -136,7 +143,7 @@ class LoRAManager:
         adapter = self.host.get(int_id)
         if adapter is None:
             adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
-            adapter = _pinned(adapter, self.device)
+            adapter = _pinned(self._transform(adapter), self.device)
             self._cache(int_id, adapter)
         else:
             self.host.move_to_end(int_id)
@@ -155,7 +162,19 @@ class LoRAManager:
             current.wait_event(event)
         self._pending_loads.clear()
 
+    def load_slot(self, lora_request: LoRARequest, slot: int) -> None:
+        """Load an adapter into a slot chosen elsewhere: a tensor-parallel worker follows the engine's manager."""
+        if self.known.get(lora_request.lora_int_id) != lora_request:
+            self.host.pop(lora_request.lora_int_id, None)
+            self.known[lora_request.lora_int_id] = lora_request
+        self._load_into_slot(lora_request, slot)
+
+    def _transform(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        return adapter if self.adapter_transform is None else self.adapter_transform(adapter)
+
     def _load_into_slot(self, lora_request: LoRARequest, slot: int) -> None:
+        if self.on_slot_load is not None:
+            self.on_slot_load(lora_request, slot)
         adapter = self._host_copy(lora_request)
         if self._copy_stream is None:
             self._copy_weights(adapter, slot)
