@@ -12,18 +12,18 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from functools import partial
+from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 
-from kernels import LoRAMetadata, lora_torch, lora_triton, prepare_lora_metadata  # noqa: F401
+from kernels import LoRAMetadata, lora_torch, lora_triton, prepare_lora_metadata
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from tests.kernels.lora_cases import (
-    PATTERNS,
     NUM_SLOTS,
+    PATTERNS,
     expand_reference,
     random_weights,
     relative_error,
