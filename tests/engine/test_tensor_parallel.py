@@ -146,3 +146,13 @@ def test_a_dead_worker_fails_the_step_with_a_clear_error(tiny_llama):
     with pytest.raises(RuntimeError, match="tensor-parallel worker failed"):
         llm.generate(PROMPTS[:1], PARAMS, use_tqdm=False)
     llm.engine.close()
+
+
+def test_serve_flag_and_tgi_env_reach_the_engine_config(tmp_path):
+    from openai_server.config import serve_config_from_args
+    from openai_server.launch import engine_config
+
+    flag = serve_config_from_args(["m", "--tensor-parallel-size", "2"], environ={}, cwd=tmp_path)
+    env = serve_config_from_args(["m"], environ={"NUM_SHARD": "4"}, cwd=tmp_path)
+    assert engine_config(flag).tensor_parallel_size == 2
+    assert engine_config(env).tensor_parallel_size == 4
