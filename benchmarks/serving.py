@@ -325,7 +325,7 @@ def main() -> None:
     parser.add_argument("--unique-adapters", type=int, default=16)
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--online-rate", type=float, default=8.0)
-    parser.add_argument("--online-requests", type=int, default=128)
+    parser.add_argument("--online-requests", type=int, default=96)
     parser.add_argument("--budget-s", type=float, default=500)
     parser.add_argument("--work", default="/tmp/loraserve-bench")
     parser.add_argument("--out", default="bench-out")
@@ -387,13 +387,6 @@ def main() -> None:
         RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth)
         log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
     save(out)
-    RESULTS["sweep"] = {}
-    for n in args.sweep:
-        if over_budget():
-            break
-        RESULTS["sweep"][n] = offline(engine, batch, [requests[i % n] for i in range(len(batch))], args.output_len)
-        log(f"sweep {n}: {RESULTS['sweep'][n]['tok_per_s']:.0f} tok/s")
-    save(out)
     if not over_budget():
         async_engine = AsyncEngine(engine=engine)
 
@@ -420,9 +413,21 @@ def main() -> None:
         save(out)
 
     if gpu and not args.skip_baseline and not over_budget():
-        RESULTS["transformers_peft"] = transformers_peft_baseline(model_dir, paths, 32, args.prompt_len, 16, vocab)
+        RESULTS["transformers_peft"] = transformers_peft_baseline(model_dir, paths, 32, args.prompt_len, 8, vocab)
         log(f"transformers+peft: {RESULTS['transformers_peft']}")
         save(out)
+    if args.sweep and not over_budget():
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        RESULTS["sweep"] = {}
+        for n in args.sweep:
+            if over_budget():
+                break
+            RESULTS["sweep"][n] = offline(engine, batch, [requests[i % n] for i in range(len(batch))],
+                                          args.output_len)
+            log(f"sweep {n}: {RESULTS['sweep'][n]['tok_per_s']:.0f} tok/s")
+            save(out)
+        free(engine)
     log(json.dumps(summary(), indent=1))
 
 

@@ -71,9 +71,10 @@ def _shrink_bgmv_kernel(
 
 @triton.jit
 def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
-    """acc + a @ b; DOT_F32 widens the operands first (the interpreter's dot mishandles bfloat16)."""
+    """acc + a @ b; DOT_F32 computes in true float32 (float32 inputs must not round through tf32, and
+    the interpreter's dot mishandles bfloat16)."""
     if DOT_F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc)
 
 
@@ -232,7 +233,7 @@ _INTERPRETED = not isinstance(_shrink_sgmv_kernel, triton.runtime.JITFunction)
 
 
 def _dot_f32(dtype: torch.dtype) -> bool:
-    return _INTERPRETED and dtype == torch.bfloat16
+    return dtype == torch.float32 or (_INTERPRETED and dtype == torch.bfloat16)
 
 
 def _pow2(n: int) -> int:
