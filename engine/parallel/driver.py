@@ -20,7 +20,7 @@ from ..config import EngineConfig
 from ..lora_request import LoRARequest
 from .group import TensorParallelGroup, disable_multicast, master_store
 from .layers import ShardedLlamaForCausalLM, build_shard
-from .messages import ComputeLogits, EnableLoRA, LoadAdapter, Ready, Shutdown, WorkerFailed, encode_step
+from .messages import ComputeLogits, EnableLoRA, LoadAdapter, Shutdown, WorkerFailed, encode_step
 from .sharding import check_tensor_parallel_size, shard_adapter
 from .worker import WorkerSpec, run_worker
 
@@ -56,18 +56,23 @@ class WorkerGroup:
         deadline = time.monotonic() + timeout
         for conn, process in zip(self.conns, self.processes):
             while not conn.poll(0.1):
-                if not process.is_alive() or time.monotonic() > deadline:
-                    raise self.failure()
+                if not process.is_alive():
+                    raise self.failure(grace_s=1.0)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor-parallel worker {process.name} was not ready after {timeout:.0f}s")
             message = conn.recv()
-            if not isinstance(message, Ready):
+            if isinstance(message, WorkerFailed):
                 raise self.failure(message)
 
-    def failure(self, *messages) -> RuntimeError:
-        """What went wrong on the workers, as one error: their tracebacks, or their exit codes."""
+    def failure(self, *messages, grace_s: float = 0.0) -> RuntimeError | None:
+        """What went wrong on the workers as one error (their tracebacks, else exit codes); None if none did.
+
+        grace_s: how long to wait for a worker that is going down (its sockets close before it exits).
+        """
         reports = [m for m in messages if isinstance(m, WorkerFailed)]
         for conn in self.conns:
             try:
-                while conn.poll():
+                while conn.poll(grace_s if not reports else 0):
                     message = conn.recv()
                     if isinstance(message, WorkerFailed):
                         reports.append(message)
@@ -75,9 +80,14 @@ class WorkerGroup:
                 continue
         if reports:
             details = "\n".join(f"rank {r.rank}:\n{r.traceback}" for r in reports)
-        else:
-            details = ", ".join(f"{p.name} exit code {p.exitcode}" for p in self.processes)
-        return RuntimeError(f"a tensor-parallel worker failed: {details}")
+            return RuntimeError(f"a tensor-parallel worker failed: {details}")
+        for process in self.processes:
+            process.join(grace_s)
+        dead = [p for p in self.processes if not p.is_alive()]
+        if dead:
+            codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
+            return RuntimeError(f"a tensor-parallel worker failed: {codes}")
+        return None
 
     def close(self) -> None:
         self._finalizer()
@@ -124,13 +134,16 @@ class DriverModel(ShardedLlamaForCausalLM):
         try:
             self.workers.send(message)
         except OSError as exc:
-            raise self.workers.failure() from exc
+            raise (self.workers.failure(grace_s=1.0) or exc) from exc
 
     def _collective(self, fn, *args):
         try:
             return fn(*args)
         except RuntimeError as exc:
-            raise self.workers.failure() from exc
+            failure = self.workers.failure(grace_s=1.0)
+            if failure is None:
+                raise
+            raise failure from exc
 
 
 def launch_tensor_parallel(config: EngineConfig, hf_config, model_dir: Path, *, dtype: torch.dtype,
