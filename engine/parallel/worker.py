@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 
 from ..config import EngineConfig
 from ..kv_cache import allocate_kv_caches
+from ..lora_manager import LoRAManager
 from ..model_loader import load_hf_config
 from .group import TensorParallelGroup, client_store, disable_multicast
 from .layers import ShardedLlamaForCausalLM, build_shard
@@ -76,14 +78,12 @@ class Worker:
         return self.kv_caches
 
     def _enable_lora(self, message: EnableLoRA) -> None:
-        from ..lora_manager import LoRAManager
-
-        cfg, rank, size = self.spec.config, self.group.rank, self.group.size
+        cfg = self.spec.config
         self.lora_manager = LoRAManager(
             self.model, message.model_info, max_loras=cfg.max_loras, max_lora_rank=cfg.max_lora_rank,
             max_cpu_loras=cfg.max_cpu_loras, device=self.device, dtype=self.spec.dtype,
             allow_pickle=cfg.allow_pickle_adapters,
-            adapter_transform=lambda adapter: shard_adapter(adapter, rank, size),
+            adapter_transform=partial(shard_adapter, rank=self.group.rank, size=self.group.size),
         )
 
 
