@@ -20,10 +20,11 @@ from ..config import EngineConfig
 from ..lora_request import LoRARequest
 from .group import TensorParallelGroup, disable_multicast, master_store
 from .layers import ShardedLlamaForCausalLM, build_shard
-from .messages import ComputeLogits, EnableLoRA, LoadAdapter, Shutdown, WorkerFailed, encode_step
+from .messages import ComputeLogits, EnableLoRA, LoadAdapter, Ready, Shutdown, Started, WorkerFailed, encode_step
 from .sharding import check_tensor_parallel_size, shard_adapter
 from .worker import WorkerSpec, run_worker
 
+START_TIMEOUT_S = 120.0
 READY_TIMEOUT_S = 600.0
 JOIN_TIMEOUT_S = 10.0
 
@@ -52,17 +53,22 @@ class WorkerGroup:
     def load_adapter(self, lora_request: LoRARequest, slot: int) -> None:
         self.send(LoadAdapter(lora_request, slot))
 
-    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+    def wait_for(self, kind: type, timeout: float) -> None:
+        """Wait for every worker's `kind` message (Started, Ready); a worker that dies or fails raises."""
         deadline = time.monotonic() + timeout
         for conn, process in zip(self.conns, self.processes):
             while not conn.poll(0.1):
                 if not process.is_alive():
                     raise self.failure(grace_s=1.0)
                 if time.monotonic() > deadline:
-                    raise RuntimeError(f"tensor-parallel worker {process.name} was not ready after {timeout:.0f}s")
-            message = conn.recv()
-            if isinstance(message, WorkerFailed):
-                raise self.failure(message)
+                    raise RuntimeError(f"tensor-parallel worker {process.name} sent no {kind.__name__} "
+                                       f"within {timeout:.0f}s")
+            try:
+                message = conn.recv()
+            except EOFError:  # it closed its pipe: it is exiting
+                message = None
+            if not isinstance(message, kind):
+                raise self.failure(message, grace_s=5.0) or RuntimeError(f"{process.name} sent {message!r}")
 
     def failure(self, *messages, grace_s: float = 0.0) -> RuntimeError | None:
         """What went wrong on the workers as one error (their tracebacks, else exit codes); None if none did.
@@ -86,7 +92,8 @@ class WorkerGroup:
         dead = [p for p in self.processes if not p.is_alive()]
         if dead:
             codes = ", ".join(f"{p.name} exit code {p.exitcode}" for p in dead)
-            return RuntimeError(f"a tensor-parallel worker failed: {codes}")
+            return RuntimeError(f"a tensor-parallel worker failed: {codes} (a script that starts a "
+                                f"tensor-parallel engine needs an `if __name__ == \"__main__\":` guard)")
         return None
 
     def close(self) -> None:
@@ -158,13 +165,14 @@ def launch_tensor_parallel(config: EngineConfig, hf_config, model_dir: Path, *, 
                       max_model_len=max_model_len, config=config)
     workers = WorkerGroup([replace(base, rank=rank, device=str(devices[rank])) for rank in range(1, size)])
     try:
+        workers.wait_for(Started, START_TIMEOUT_S)  # before joining the group, which blocks until all join
         if device.type == "cuda":
             torch.cuda.set_device(devices[0])
         group = TensorParallelGroup(store, 0, size, devices[0])
         model = build_shard(DriverModel, hf_config, model_dir, load_format=config.load_format,
                             max_positions=max_model_len, group=group, dtype=dtype, seed=config.seed)
         model.workers = workers
-        workers.wait_ready()
+        workers.wait_for(Ready, READY_TIMEOUT_S)
     except BaseException:
         workers.close()
         raise

@@ -59,7 +59,16 @@ class Shutdown:
 
 
 @dataclass
+class Started:
+    """The worker process runs (sent before it joins the process group)."""
+
+    rank: int
+
+
+@dataclass
 class Ready:
+    """The worker's shard is built and loaded."""
+
     rank: int
 
 

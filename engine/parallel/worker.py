@@ -20,7 +20,8 @@ from ..lora_manager import LoRAManager
 from ..model_loader import load_hf_config
 from .group import TensorParallelGroup, client_store, disable_multicast
 from .layers import ShardedLlamaForCausalLM, build_shard
-from .messages import ComputeLogits, EnableLoRA, LoadAdapter, Ready, Shutdown, Step, WorkerFailed, decode_step
+from .messages import (ComputeLogits, EnableLoRA, LoadAdapter, Ready, Shutdown, Started, Step, WorkerFailed,
+                       decode_step)
 from .sharding import shard_adapter
 
 
@@ -91,6 +92,7 @@ def run_worker(spec: WorkerSpec, conn: Connection) -> None:
     """Process entry point (spawned): build the shard, say Ready, then serve messages until told to stop."""
     disable_multicast()
     try:
+        conn.send(Started(spec.rank))
         worker = Worker(spec)
         conn.send(Ready(spec.rank))
         with torch.inference_mode():
