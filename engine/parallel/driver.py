@@ -9,7 +9,6 @@ from __future__ import annotations
 import multiprocessing
 import time
 import weakref
-from dataclasses import replace
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -161,9 +160,9 @@ def launch_tensor_parallel(config: EngineConfig, hf_config, model_dir: Path, *, 
     devices = _rank_devices(device, size)
     disable_multicast()
     store = master_store(size)
-    base = WorkerSpec(rank=0, size=size, store_port=store.port, device="", dtype=dtype, model_dir=str(model_dir),
-                      max_model_len=max_model_len, config=config)
-    workers = WorkerGroup([replace(base, rank=rank, device=str(devices[rank])) for rank in range(1, size)])
+    workers = WorkerGroup([WorkerSpec(rank=rank, size=size, store_port=store.port, device=str(devices[rank]),
+                                      dtype=dtype, model_dir=str(model_dir), max_model_len=max_model_len,
+                                      config=config) for rank in range(1, size)])
     try:
         workers.wait_for(Started, START_TIMEOUT_S)  # before joining the group, which blocks until all join
         if device.type == "cuda":
