@@ -295,6 +295,22 @@ def transformers_peft_baseline(model_dir: Path, adapter_paths: list[Path], batch
 
 
 # ---- driver ----------------------------------------------------------------------------------------
+def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[list[int]], args, out: Path) -> None:
+    """Workload (c) at each tensor-parallel size, on as many GPUs."""
+    RESULTS["tensor_parallel"] = {}
+    for size in args.tensor_parallel_sizes:
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64,
+                              tensor_parallel_size=size, enforce_eager=args.enforce_eager)
+        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        offline(engine, batch[:8], requests[:8], 4)
+        result = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
+        RESULTS["tensor_parallel"][size] = dict(result, enforce_eager=args.enforce_eager)
+        log(f"TP={size}: {result}")
+        engine.close()
+        free(engine)
+        save(out)
+
+
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
@@ -331,6 +347,9 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="*", default=[],
+                        help="only run workload (c) once per size (TP comparison) and exit")
+    parser.add_argument("--enforce-eager", action="store_true")
     args = parser.parse_args()
     began = time.perf_counter()
     out = Path(args.out)
@@ -349,6 +368,10 @@ def main() -> None:
 
     def over_budget() -> bool:
         return time.perf_counter() - began > args.budget_s
+
+    if args.tensor_parallel_sizes:
+        tensor_parallel_comparison(model_dir, paths, batch, args, out)
+        return
 
     # (a) base only
     engine = build_engine(model_dir, args)

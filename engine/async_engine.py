@@ -109,6 +109,7 @@ class AsyncEngine:
             self._stopped = True
             self._wakeup.notify()
         self._thread.join(timeout=30)
+        self.engine.close()
 
     # ---- the engine thread ----------------------------------------------------------------
     def _submit(self, fn: Callable[[], Any]) -> Future:
