@@ -163,9 +163,21 @@ def test_serve_flag_and_tgi_env_reach_the_engine_config(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_bf16_on_two_gpus_matches_one_gpu(tiny_llama, llama_adapters):
-    """NCCL, Triton kernels, bf16: reduction order differs from one GPU, so logprobs agree to bf16 precision."""
+    """NCCL, Triton kernels, bf16. Reduction order differs from one GPU, so a near-tie may flip a greedy
+    token; the check is teacher-forced: both score the same sequences, position by position."""
     gpu = dict(dtype="bfloat16", device="cuda")
-    llm = _llm(tiny_llama, 2, **gpu)
+    sharded_llm, single_llm = _llm(tiny_llama, 2, **gpu), _llm(tiny_llama, 1, **gpu)
     prompts, loras = _mixed(llama_adapters[:2])
-    _check_matches_single_process(llm, tiny_llama, prompts, loras, tolerance=5e-2, **gpu)
-    llm.engine.close()
+    sharded = sharded_llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+    single = single_llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+    same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(sharded, single))
+    assert same >= 0.75 * len(prompts)
+    full = [o.prompt_token_ids + o.outputs[0].token_ids for o in sharded]
+    score = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    ours = sharded_llm.generate(full, score, lora_request=loras, use_tqdm=False)
+    ref = single_llm.generate(full, score, lora_request=loras, use_tqdm=False)
+    for a, b, tokens in zip(ours, ref, full):
+        got = [entry[t] for entry, t in zip(a.prompt_logprobs[1:], tokens[1:])]
+        want = [entry[t] for entry, t in zip(b.prompt_logprobs[1:], tokens[1:])]
+        assert got == pytest.approx(want, abs=5e-2)
+    sharded_llm.engine.close()
