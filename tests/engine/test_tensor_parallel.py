@@ -179,5 +179,5 @@ def test_bf16_on_two_gpus_matches_one_gpu(tiny_llama, llama_adapters):
     for a, b, tokens in zip(ours, ref, full):
         got = [entry[t] for entry, t in zip(a.prompt_logprobs[1:], tokens[1:])]
         want = [entry[t] for entry, t in zip(b.prompt_logprobs[1:], tokens[1:])]
-        assert got == pytest.approx(want, abs=5e-2)
+        assert got == pytest.approx(want, rel=5e-2, abs=5e-2)  # bf16: about 2^-8 per rounding
     sharded_llm.engine.close()
