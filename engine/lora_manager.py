@@ -4,13 +4,14 @@ A slot holds one adapter's A and B for every projection, zero-padded to `max_lor
 stacked per-module tensors the model's `LoRALinear`s read by slot index. A slot is pinned while a
 running sequence uses it; only unpinned slots are evicted (least recently used first). Host copies
 (pinned memory on CUDA) are kept for up to `max_cpu_loras` adapters; beyond that an adapter is
-read from disk again when it next needs a slot.
+read from disk again, on a background thread, when it next needs a slot.
 """
 from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -60,6 +61,8 @@ class LoRAManager:
         # host-to-device slot loads run on a side stream; the next forward waits on their events
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_loads: list[torch.cuda.Event] = []
+        self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-reader")
+        self._reads: dict[int, Future] = {}
 
     # ---- registration ---------------------------------------------------------------------
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
@@ -96,6 +99,23 @@ class LoRAManager:
                              f"{other.lora_name!r} ({other.lora_path})")
 
     # ---- the scheduler's view (AdapterSlots) ----------------------------------------------
+    def is_ready(self, lora_request: LoRARequest) -> bool:
+        """True when the adapter can go into a slot without reading the disk. Otherwise its weights
+        are read on a background thread, and the scheduler serves other requests meanwhile."""
+        int_id = lora_request.lora_int_id
+        if int_id in self.slot_owner or int_id in self.host:
+            return True
+        future = self._reads.get(int_id)
+        if future is None:
+            self._reads[int_id] = self._reader.submit(self._read, lora_request)
+            return False
+        if not future.done():
+            return False
+        del self._reads[int_id]
+        if future.exception() is None:  # a failed read is retried, and raises, when the slot loads
+            self._cache(int_id, future.result())
+        return True
+
     def can_pin(self, lora_request: LoRARequest) -> bool:
         if lora_request.lora_int_id in self.slot_owner:
             return True
@@ -142,12 +162,16 @@ class LoRAManager:
         int_id = lora_request.lora_int_id
         adapter = self.host.get(int_id)
         if adapter is None:
-            adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
-            adapter = _pinned(self._transform(adapter), self.device)
+            adapter = self._read(lora_request)
             self._cache(int_id, adapter)
         else:
             self.host.move_to_end(int_id)
         return adapter
+
+    def _read(self, lora_request: LoRARequest) -> LoadedAdapter:
+        """Disk to host: validate, load, shard (tensor parallelism) and page-lock one adapter."""
+        adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
+        return _pinned(self._transform(adapter), self.device)
 
     def _cache(self, int_id: int, adapter: LoadedAdapter) -> None:
         self.host[int_id] = adapter

@@ -18,6 +18,7 @@ from .sequence import Sequence, SequenceStatus
 
 
 class AdapterSlots(Protocol):
+    def is_ready(self, lora_request: LoRARequest) -> bool: ...
     def can_pin(self, lora_request: LoRARequest) -> bool: ...
     def pin(self, lora_request: LoRARequest) -> None: ...
     def unpin(self, lora_request: LoRARequest) -> None: ...
@@ -124,6 +125,8 @@ class Scheduler:
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
             lora = seq.request.lora_request
+            if lora is not None and self.adapter_slots is not None and not self.adapter_slots.is_ready(lora):
+                continue  # its weights are being read from disk; others go first meanwhile
             if lora is not None and self.adapter_slots is not None and not self.adapter_slots.can_pin(lora):
                 seq.skipped_steps += 1
                 if seq.skipped_steps > self.max_skips:

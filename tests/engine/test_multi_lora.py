@@ -168,3 +168,37 @@ def test_a_config_without_architectures_still_accepts_its_family_adapters(tiny_l
     assert llm.engine.model_info.architecture == "LlamaForCausalLM"
     (output,) = llm.generate([PROMPTS[0]], PARAMS, lora_request=adapters[2], use_tqdm=False)
     assert output.outputs[0].finish_reason == "length"
+
+
+def test_an_adapter_read_from_disk_does_not_stall_the_batch(tiny_llama, adapters, reference, monkeypatch):
+    """max_cpu_loras=2: the first adapter is evicted from host memory before its request runs; while it
+    is read again (slowly, here) on a background thread, a base-model request runs to completion."""
+    import time
+
+    import engine.lora_manager as lora_manager
+
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_cpu_loras=2)
+    engine = llm.engine
+    evicted = adapters[0]
+    cold = engine.add_request(PROMPTS[0], PARAMS, evicted)
+    for lora in adapters[1:3]:
+        engine.lora_manager.add(lora)
+    assert engine.lora_manager.status()[evicted.lora_int_id].in_cpu is False
+    read = lora_manager.load_adapter
+
+    def slow_read(*args, **kwargs):
+        time.sleep(0.5)
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(lora_manager, "load_adapter", slow_read)
+    base = engine.add_request(PROMPTS[1], PARAMS)
+    finished = {}
+    order = []
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+                order.append(output.request_id)
+    assert order == [base, cold]
+    assert finished[cold].outputs[0].token_ids == reference[(PROMPTS[0], evicted.lora_name)][0]
