@@ -40,6 +40,7 @@ class ServeConfig:
     block_size: int = 16
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
+    enforce_eager: bool = False
     seed: int = 0
     enable_lora: bool = False
     lora_modules: list[AdapterSpec] = field(default_factory=list)
@@ -97,6 +98,7 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("gpu_memory_utilization", "Fraction of GPU memory the engine may use (default 0.85).", "float"),
     _Option("tensor_parallel_size", "Shard the model over this many GPUs, one worker process each (default 1).",
             "int", env=("NUM_SHARD",)),
+    _Option("enforce_eager", "On CUDA, run decode steps eagerly instead of replaying CUDA graphs.", "bool"),
     _Option("seed", "Engine random seed (default 0).", "int"),
     _Option("enable_lora", "Serve LoRA adapters (switched on by itself when adapters are given).", "bool"),
     _Option("lora_modules", "vLLM-style adapters: NAME=PATH or JSON {\"name\",\"path\",\"base_model_name\"}; "

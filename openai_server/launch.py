@@ -44,6 +44,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         block_size=config.block_size,
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_parallel_size=config.tensor_parallel_size,
+        enforce_eager=config.enforce_eager,
         enable_lora=config.enable_lora or wants_lora,
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,

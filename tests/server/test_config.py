@@ -126,3 +126,10 @@ def test_repo_config_serves_the_demo_adapters():
     assert [spec.name for spec in config.adapter_specs()] == ["pirate", "sql"]
     assert all(Path(spec.path).is_dir() for spec in config.adapter_specs())
     assert config.lora_allowed_dirs == [str(repo / "examples" / "demo_adapters")]
+
+
+def test_enforce_eager_reaches_the_engine_config(tmp_path):
+    from openai_server.launch import engine_config
+
+    assert engine_config(serve_config_from_args(["m", "--enforce-eager"], environ={}, cwd=tmp_path)).enforce_eager
+    assert not engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).enforce_eager
