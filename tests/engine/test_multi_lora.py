@@ -17,6 +17,7 @@ ADAPTERS = {
     "r16-all": dict(r=16, lora_alpha=32, target_modules=ALL, seed=13),
     "r8-alpha-pattern": dict(r=8, lora_alpha=8, target_modules=ALL, seed=14,
                              alpha_pattern={"o_proj": 32, "down_proj": 2}, rank_pattern={"k_proj": 4}),
+    "r2-o-down": dict(r=2, lora_alpha=4, target_modules=["o_proj", "down_proj"], seed=15),
 }
 PROMPTS = ["Hello world", "The capital of France is", "def add(a, b):", "SELECT name FROM", "Ahoy matey, the"]
 MAX_TOKENS = 10
@@ -88,6 +89,8 @@ def test_adapters_differ_from_the_base_model(reference, adapters):
 
 
 def test_more_adapters_than_slots_all_finish_correctly(tiny_llama, adapters, reference):
+    """Five adapters and the base model through two slots."""
+    assert len(adapters) == 5
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
               max_cpu_loras=2)
     prompts, loras = _mixed_batch(adapters)
@@ -99,7 +102,7 @@ def test_more_adapters_than_slots_all_finish_correctly(tiny_llama, adapters, ref
 def test_host_cache_keeps_at_most_max_cpu_loras(tiny_llama, adapters):
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
               max_cpu_loras=2)
-    llm.generate(PROMPTS[:4], PARAMS, lora_request=adapters, use_tqdm=False)
+    llm.generate(PROMPTS, PARAMS, lora_request=adapters, use_tqdm=False)
     status = llm.engine.lora_manager.status()
     assert sum(entry.in_cpu for entry in status.values()) <= 2
     assert sum(entry.slot is not None for entry in status.values()) == 1
