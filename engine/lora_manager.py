@@ -121,6 +121,12 @@ class LoRAManager:
             return True
         return any(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
 
+    def drain_candidate(self) -> int | None:
+        """The resident adapter with the fewest running sequences: its slot frees soonest if it gets
+        no new ones."""
+        owners = [owner for owner in self.slot_owner if owner is not None]
+        return min(owners, key=lambda owner: self.pins[owner]) if owners else None
+
     def pin(self, lora_request: LoRARequest) -> None:
         int_id = lora_request.lora_int_id
         if int_id not in self.slot_owner:

@@ -3,8 +3,9 @@
 Running sequences go first (decode one token, or the next chunk of a long prompt); when KV blocks
 run out the newest running sequence is preempted (its blocks freed, to be recomputed later). Then
 waiting sequences are admitted in arrival order; one whose adapter cannot get a slot is skipped
-so others can run, until it has been skipped `max_skips` times, after which nothing is admitted
-past it until it gets its slot.
+so others can run. Once it has been skipped `max_skips` times, one resident adapter (the one with
+the fewest running sequences) gets no new sequences until the starving one takes its slot: that
+slot drains while the other adapters keep their traffic, and no request starves.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from .sequence import Sequence, SequenceStatus
 class AdapterSlots(Protocol):
     def is_ready(self, lora_request: LoRARequest) -> bool: ...
     def can_pin(self, lora_request: LoRARequest) -> bool: ...
+    def drain_candidate(self) -> int | None: ...
     def pin(self, lora_request: LoRARequest) -> None: ...
     def unpin(self, lora_request: LoRARequest) -> None: ...
 
@@ -55,6 +57,7 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.max_skips = max_skips
         self.waiting: deque[Sequence] = deque()
+        self.draining: int | None = None  # adapter int id getting no new sequences, for a starving one
         self.running: list[Sequence] = []
         self.num_preemptions = 0
 
@@ -121,23 +124,29 @@ class Scheduler:
         return output
 
     def _admit(self, output: SchedulerOutput, budget: int) -> None:
+        slots = self.adapter_slots
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
-            lora = seq.request.lora_request
-            if lora is not None and self.adapter_slots is not None and not self.adapter_slots.is_ready(lora):
-                continue  # its weights are being read from disk; others go first meanwhile
-            if lora is not None and self.adapter_slots is not None and not self.adapter_slots.can_pin(lora):
-                seq.skipped_steps += 1
-                if seq.skipped_steps > self.max_skips:
-                    return
-                continue
+            lora = seq.request.lora_request if slots is not None else None
+            if lora is not None:
+                if not slots.is_ready(lora):
+                    continue  # its weights are being read from disk; others go first meanwhile
+                if not slots.can_pin(lora):
+                    seq.skipped_steps += 1
+                    if seq.skipped_steps > self.max_skips and self.draining is None:
+                        self.draining = slots.drain_candidate()
+                    continue
+                if lora.lora_int_id == self.draining:
+                    continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(seq, num_new)
             if needed > self.allocator.num_free:
                 return
-            if lora is not None and self.adapter_slots is not None:
-                self.adapter_slots.pin(lora)
+            if lora is not None:
+                slots.pin(lora)
+                if seq.skipped_steps > self.max_skips:
+                    self.draining = None
             self._grow(seq, needed)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING

@@ -205,3 +205,28 @@ def test_an_adapter_read_from_disk_does_not_stall_the_batch(tiny_llama, adapters
                 order.append(output.request_id)
     assert order == [base, cold]
     assert finished[cold].outputs[0].token_ids == reference[(PROMPTS[0], evicted.lora_name)][0]
+
+
+def test_a_starving_adapter_drains_one_slot_while_the_other_keeps_its_traffic(tiny_llama, adapters):
+    """Two slots busy with a steady stream for A and B, one request for C: C is served by draining
+    one slot only, so the batch never empties while C waits."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    engine = llm.engine
+    a, b, c = adapters[:3]
+    engine.add_request("Hello", PARAMS, a)
+    engine.add_request("Hello", PARAMS, b)
+    engine.step()
+    starving = engine.add_request("Hello", PARAMS, c)
+    running_while_waiting = []
+    for _ in range(300):
+        engine.add_request("Hello", PARAMS, a)
+        engine.add_request("Hello", PARAMS, b)
+        engine.step()
+        waiting_ids = {seq.request.request_id for seq in engine.scheduler.waiting}
+        if starving not in waiting_ids:
+            break
+        running_while_waiting.append(len(engine.scheduler.running))
+    assert starving not in {seq.request.request_id for seq in engine.scheduler.waiting}
+    assert running_while_waiting[-1] >= MAX_TOKENS // 2  # one adapter's steady traffic (draining both: 0)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
