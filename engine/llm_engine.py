@@ -226,9 +226,10 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One forward pass. Detokenizing the previous step's tokens (and matching stop strings) runs
-        while the GPU computes this one, so a sequence ended by a stop string is seen one step late
-        (its extra token is dropped) and streamed text lags the tokens by one step."""
+        """One forward pass. Detokenizing the previous step's tokens (and matching stop strings) and
+        building their outputs run while the GPU computes this one, so a sequence ended by a stop
+        string is seen one step late (its extra token is dropped) and streamed text lags the tokens
+        by one step."""
         plan = self.scheduler.schedule()
         if plan.empty:
             return [self._output(request) for request in self._finish_detokenization()]
@@ -244,10 +245,11 @@ class LLMEngine:
         if sampling:
             rows = [result.starts[i] + scheduled[i].num_new_tokens - 1 for i in sampling]
             logits = self.model.compute_logits(result.hidden[rows])
-        touched = self._finish_detokenization()
+        outputs = [self._output(request) for request in self._finish_detokenization().values()]
         sampled = self.sampler(logits, [self._sampling_row(scheduled[i].seq) for i in sampling]) if sampling else []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
+        finished: dict[str, Request] = {}
         for i, token in zip(sampling, sampled):
             seq = scheduled[i].seq
             if seq.status is SequenceStatus.FINISHED:  # ended by a stop string found above
@@ -255,8 +257,8 @@ class LLMEngine:
             if self._append_token(seq, token):
                 self._pending_detokenization.append((seq, token.token_id))
             else:
-                touched[seq.request.request_id] = seq.request
-        return [self._output(request) for request in touched.values()]
+                finished[seq.request.request_id] = seq.request
+        return outputs + [self._output(request) for request in finished.values()]
 
     def _finish_detokenization(self) -> dict[str, Request]:
         """Detokenize the tokens the last step appended; end sequences whose stop string matched."""

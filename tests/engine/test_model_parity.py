@@ -38,11 +38,12 @@ def _captured_logits(engine, prompt_ids: list[int], max_tokens: int):
     engine.model.compute_logits = capture
     try:
         engine.add_request(prompt_ids, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        finished = []
         while engine.has_unfinished_requests():
-            outputs = engine.step()
+            finished += [o for o in engine.step() if o.finished]
     finally:
         engine.model.compute_logits = original
-    return torch.cat(captured), outputs[0].outputs[0].token_ids
+    return torch.cat(captured), finished[0].outputs[0].token_ids
 
 
 def test_prefill_and_decode_logits_match_transformers(variant_dir):

@@ -191,7 +191,7 @@ def test_an_adapter_read_from_disk_does_not_stall_the_batch(tiny_llama, adapters
     read = lora_manager.load_adapter
 
     def slow_read(*args, **kwargs):
-        time.sleep(0.5)
+        time.sleep(1.0)
         return read(*args, **kwargs)
 
     monkeypatch.setattr(lora_manager, "load_adapter", slow_read)
