@@ -245,20 +245,20 @@ class LLMEngine:
         if sampling:
             rows = [result.starts[i] + scheduled[i].num_new_tokens - 1 for i in sampling]
             logits = self.model.compute_logits(result.hidden[rows])
-        outputs = [self._output(request) for request in self._finish_detokenization().values()]
+        outputs = {request_id: self._output(request)
+                   for request_id, request in self._finish_detokenization().items()}
         sampled = self.sampler(logits, [self._sampling_row(scheduled[i].seq) for i in sampling]) if sampling else []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        finished: dict[str, Request] = {}
         for i, token in zip(sampling, sampled):
             seq = scheduled[i].seq
             if seq.status is SequenceStatus.FINISHED:  # ended by a stop string found above
                 continue
             if self._append_token(seq, token):
                 self._pending_detokenization.append((seq, token.token_id))
-            else:
-                finished[seq.request.request_id] = seq.request
-        return outputs + [self._output(request) for request in finished.values()]
+            else:  # one output per request and step: this newer one replaces any built above
+                outputs[seq.request.request_id] = self._output(seq.request)
+        return list(outputs.values())
 
     def _finish_detokenization(self) -> dict[str, Request]:
         """Detokenize the tokens the last step appended; end sequences whose stop string matched."""
