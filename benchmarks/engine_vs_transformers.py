@@ -59,7 +59,7 @@ def main() -> None:
     theirs = time.perf_counter() - start
 
     tokens = args.prompts * args.max_tokens
-    print(f"| engine | tokens | seconds | tok/s |\n|---|---|---|---|")
+    print("| engine | tokens | seconds | tok/s |\n|---|---|---|---|")
     print(f"| loraserve | {tokens} | {ours:.2f} | {tokens / ours:.1f} |")
     print(f"| transformers.generate | {tokens} | {theirs:.2f} | {tokens / theirs:.1f} |")
     print(f"\nloraserve / transformers throughput: {theirs / ours:.2f}x")

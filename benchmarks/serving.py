@@ -19,7 +19,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import statistics
 import sys
 import time

@@ -14,8 +14,6 @@ from kernels.attention import decode_attention, paged_attention_prefill, write_k
 
 from .step_input import AttentionMetadata, StepInput
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 class LoRALinear(nn.Module):
     """`y = x W^T + b`, plus `expand(shrink(x, A[slot]), B[slot])` for each output slice.

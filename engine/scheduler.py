@@ -65,9 +65,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def finish(self, seq: Sequence) -> None:
         """Free everything a sequence holds (finished or aborted), wherever it is."""
         if seq.status is SequenceStatus.RUNNING:

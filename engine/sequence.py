@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +24,6 @@ class Request:
     prompt_token_ids: list[int]
     params: Any  # SamplingParams
     lora_request: LoRARequest | None
-    arrival_time: float = field(default_factory=time.monotonic)
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
 
