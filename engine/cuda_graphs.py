@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+import kernels
+
 from .model import LlamaForCausalLM
 from .step_input import AttentionMetadata, StepInput
 
@@ -55,8 +57,6 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             if self.num_lora_slots:
-                import kernels
-
                 meta = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
                 kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=meta)
                 self.lora_meta[size] = meta
@@ -92,8 +92,6 @@ class DecodeGraphs:
             target[:size].copy_(source, non_blocking=True)
         self.block_tables[:size].copy_(tables, non_blocking=True)
         if self.num_lora_slots:
-            import kernels
-
             kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
         self.graphs[size].replay()
         return self.outputs[size][:batch]

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+import kernels
 from kernels.attention import decode_attention, paged_attention_prefill, write_kv
 
 from .step_input import AttentionMetadata, StepInput
@@ -35,8 +36,6 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
         y = nn.functional.linear(x, self.weight, self.bias)
         if lora is not None and self.lora_a is not None:
-            import kernels
-
             h = kernels.lora_shrink_slices(x, self.lora_a, lora)
             kernels.lora_expand_slices(y, h, self.lora_b, lora)
         return y

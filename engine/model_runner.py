@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels
+
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledSequence
 from .step_input import AttentionMetadata, StepInput
@@ -60,8 +62,6 @@ class ModelRunner:
         )
         lora = None
         if any(s >= 0 for s in adapter_slots):
-            import kernels
-
             slots = torch.tensor(token_slots, dtype=torch.long, device=dev)
             lora = kernels.prepare_lora_metadata(slots, self.num_lora_slots)
         return StepInput(
