@@ -56,6 +56,8 @@ class LLM:
     def _run(self, prompts: list[Prompt], params: list[SamplingParams], loras: list[LoRARequest | None],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
+        if engine.lora_manager is not None:
+            engine.lora_manager.ensure_loaded(lora for lora in loras if lora is not None)
         ids = []
         try:
             for prompt, param, lora in zip(prompts, params, loras):

@@ -176,7 +176,7 @@ class LLMEngine:
             if self.lora_manager is None:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not "
                                  f"enabled; start the engine with enable_lora=True")
-            self.lora_manager.ensure_loaded(lora_request)
+            self.lora_manager.ensure_loaded([lora_request])
         if params.max_tokens is None:
             params = _with_max_tokens(params, self.max_model_len - len(token_ids))
         request = Request(request_id, text, token_ids, params, lora_request)

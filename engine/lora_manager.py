@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -75,12 +75,20 @@ class LoRAManager:
         else:
             self._host_copy(lora_request)
 
-    def ensure_loaded(self, lora_request: LoRARequest) -> None:
-        """Validate an adapter before a request for it is queued; bad adapters fail here."""
-        if lora_request.lora_int_id in self.removed:
-            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} has been unloaded")
-        if self.known.get(lora_request.lora_int_id) != lora_request:
-            self.add(lora_request)
+    def ensure_loaded(self, lora_requests: Iterable[LoRARequest]) -> None:
+        """Validate adapters before requests for them are queued, so bad ones fail here; those not
+        seen before are read from disk in parallel."""
+        new: dict[int, LoRARequest] = {}
+        for lora_request in lora_requests:
+            if lora_request.lora_int_id in self.removed:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} has been unloaded")
+            if self.known.get(lora_request.lora_int_id) != lora_request:
+                self._check_identity(lora_request)
+                new[lora_request.lora_int_id] = lora_request
+        reads = {int_id: self._reader.submit(self._read, request) for int_id, request in new.items()}
+        for int_id, read in reads.items():
+            self._cache(int_id, read.result())
+            self.known[int_id] = new[int_id]
 
     def remove(self, lora_int_id: int) -> None:
         """Unload: new requests fail now; the slot and host copy go once no running request uses it."""

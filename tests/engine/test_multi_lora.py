@@ -230,3 +230,19 @@ def test_a_starving_adapter_drains_one_slot_while_the_other_keeps_its_traffic(ti
     assert running_while_waiting[-1] >= MAX_TOKENS // 2  # one adapter's steady traffic (draining both: 0)
     for request_id in list(engine.requests):
         engine.abort(request_id)
+
+
+def test_a_bad_adapter_in_a_batch_fails_before_anything_runs(tiny_llama, adapters, tmp_path):
+    import shutil
+
+    from adapters_registry import AdapterError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(adapters[0].lora_path, broken)
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    loras = [adapters[1], LoRARequest("broken", 42, str(broken)), adapters[2]]
+    with pytest.raises(AdapterError, match="adapter_model.safetensors"):
+        llm.generate(PROMPTS[:3], PARAMS, lora_request=loras, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert 42 not in llm.engine.lora_manager.status()
