@@ -232,7 +232,7 @@ class LLMEngine:
         by one step."""
         plan = self.scheduler.schedule()
         if plan.empty:
-            return [self._output(request) for request in self._finish_detokenization()]
+            return [self._output(request) for request in self._finish_detokenization().values()]
         scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
         slots = ([self.lora_manager.slot_for(item.seq.request.lora_request) for item in scheduled]
                  if self.lora_manager else [-1] * len(scheduled))
