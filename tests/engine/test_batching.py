@@ -109,3 +109,18 @@ def test_llm_generate_returns_outputs_in_prompt_order(tiny_llama):
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.prompt for o in outputs] == PROMPTS
     assert [o.outputs[0].token_ids for o in outputs] == [_alone(llm.engine, p) for p in PROMPTS]
+
+
+def test_a_step_that_schedules_nothing_still_delivers_pending_text(llama_engine, monkeypatch):
+    from engine.scheduler import SchedulerOutput
+
+    request_id = llama_engine.add_request(PROMPTS[1], GREEDY)
+    llama_engine.step()
+    llama_engine.step()
+    original = llama_engine.scheduler.schedule
+    monkeypatch.setattr(llama_engine.scheduler, "schedule", lambda: SchedulerOutput())
+    (output,) = llama_engine.step()
+    assert output.request_id == request_id and len(output.outputs[0].token_ids) == 2
+    monkeypatch.setattr(llama_engine.scheduler, "schedule", original)
+    final = run_to_completion(llama_engine)[request_id]
+    assert final.outputs[0].token_ids == _alone(llama_engine, PROMPTS[1])
