@@ -57,7 +57,18 @@ class ServeConfig:
     config_file: str | None = None  # the config file that was read, if any
 
     def adapter_specs(self) -> list[AdapterSpec]:
-        return [*self.lora_modules, *self.lora_adapters]
+        """vLLM-style then TGI-style adapters; a name given twice for the same place counts once."""
+        specs: dict[str, AdapterSpec] = {}
+        for spec in [*self.lora_modules, *self.lora_adapters]:
+            other = specs.setdefault(spec.name, spec)
+            if _location(other) != _location(spec):
+                raise ConfigError(f"Adapter {spec.name!r} is given twice, as {other.path} and {spec.path}")
+        return list(specs.values())
+
+
+def _location(spec: AdapterSpec) -> tuple[str, str | None]:
+    path = Path(spec.path).expanduser()
+    return (str(path.resolve()) if path.exists() else spec.path), spec.revision
 
 
 @dataclass(frozen=True)

@@ -133,3 +133,15 @@ def test_enforce_eager_reaches_the_engine_config(tmp_path):
 
     assert engine_config(serve_config_from_args(["m", "--enforce-eager"], environ={}, cwd=tmp_path)).enforce_eager
     assert not engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).enforce_eager
+
+
+def test_an_adapter_named_by_both_dialects_for_the_same_place_counts_once(workdir):
+    same_place = f"pirate={workdir / 'adapters' / 'pirate'}"
+    config = serve_config_from_args([], environ={"LORA_ADAPTERS": same_place}, cwd=workdir)
+    assert [spec.name for spec in config.adapter_specs()] == ["pirate"]
+
+
+def test_an_adapter_named_twice_for_different_places_is_refused(workdir):
+    config = serve_config_from_args([], environ={"LORA_ADAPTERS": "pirate=/elsewhere/pirate"}, cwd=workdir)
+    with pytest.raises(ConfigError, match="'pirate' is given twice"):
+        config.adapter_specs()
