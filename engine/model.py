@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import kernels
+from kernels import fused
 from kernels.attention import decode_attention, paged_attention_prefill, write_kv
 
 from .step_input import AttentionMetadata, StepInput
@@ -47,11 +48,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed x + residual, x + residual): the residual add is fused into the norm."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -75,15 +74,7 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+        return fused.rotary(q, k, self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -129,11 +120,9 @@ class MLP(nn.Module):
         inter = config.intermediate_size
         self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"])
         self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"])
-        self.inter = inter
 
     def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x, lora).split(self.inter, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up, lora)
+        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -144,9 +133,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, positions, kv_cache, attn, lora):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, attn, lora)
-        return x + self.mlp(self.post_attention_layernorm(x), lora)
+    def forward(self, x, residual, positions, kv_cache, attn, lora):
+        """Returns this layer's MLP output and the residual stream before it is added."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv_cache, attn, lora)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,10 +168,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
 
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x = self.embed_tokens(step.input_ids)
+        x, residual = self.embed_tokens(step.input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, step.positions, kv_cache, step.attention, step.lora)
-        return self.norm(x)
+            x, residual = layer(x, residual, step.positions, kv_cache, step.attention, step.lora)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head

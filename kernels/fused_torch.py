@@ -1,0 +1,33 @@
+"""Torch reference for the fused per-token ops of a decoder layer (the CPU path and the oracle)."""
+from __future__ import annotations
+
+import torch
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(x + residual), x + residual); without a residual, x is the residual."""
+    hidden = x if residual is None else x + residual
+    h = hidden.float()
+    normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), hidden
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dimension."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, H, D] and k [T, KVH, D] by the positions' angles (cos/sin tables [P, D], halves equal)."""
+    c = cos[positions].unsqueeze(1)
+    s = sin[positions].unsqueeze(1)
+    return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
