@@ -6,20 +6,16 @@ kernels (one launch per op instead of a chain of small elementwise kernels; unde
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels import fused_torch
+from kernels.backend import use_triton
 
 BACKEND_ENV = "LORASERVE_FUSED_BACKEND"
 
 
 def _backend():
-    choice = os.environ.get(BACKEND_ENV, "torch")
-    if choice not in ("triton", "torch"):
-        raise ValueError(f"{BACKEND_ENV} must be 'triton' or 'torch', got {choice!r}")
-    if choice == "triton":
+    if use_triton(BACKEND_ENV, default=False):
         from kernels import fused_triton
 
         return fused_triton

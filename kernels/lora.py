@@ -7,22 +7,19 @@ imports without CUDA.
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 
 from kernels import lora_torch
+from kernels.backend import use_triton
 from kernels.lora_metadata import LoRAMetadata, prepare_lora_metadata
 
 BACKEND_ENV = "LORASERVE_LORA_BACKEND"
 
 
 def _backend(x: torch.Tensor):
-    forced = os.environ.get(BACKEND_ENV, "")
-    if forced not in ("", "triton", "torch"):
-        raise ValueError(f"{BACKEND_ENV} must be 'triton' or 'torch', got {forced!r}")
-    if forced == "triton" or (not forced and x.is_cuda):
+    if use_triton(BACKEND_ENV, default=x.is_cuda):
         from kernels import lora_triton
 
         return lora_triton
