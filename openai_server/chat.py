@@ -10,17 +10,11 @@ from starlette.responses import JSONResponse, Response
 
 from .chat_template import render_chat
 from .errors import bad_request
-from .generation import Generation, abort_all, merge, start_all
+from .generation import Generation, abort_all, merge, start_all, usage
 from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
 from .protocol import ChatCompletionRequest
 from .sampling import check_logprobs, sampling_params
 from .state import ServerState
-
-
-def _usage(output) -> dict:
-    prompt = len(output.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in output.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class ChatHandler:
@@ -87,7 +81,7 @@ class ChatHandler:
         ]
         return {
             "id": request_id, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": _usage(final),
+            "choices": choices, "usage": usage([final]),
         }
 
     async def _stream(self, body, generations, request_id, model, created, top_logprobs) -> AsyncIterator[dict]:
@@ -128,4 +122,4 @@ class ChatHandler:
                     "stop_reason": completion.stop_reason,
                 }])
         if include_usage:
-            yield chunk([], _usage(final))
+            yield chunk([], usage([final]))

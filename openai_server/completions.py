@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .generation import Generation, abort_all, merge, start_all
+from .generation import Generation, abort_all, merge, start_all, usage
 from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
 from .protocol import CompletionRequest
 from .sampling import check_logprobs, sampling_params
@@ -23,12 +23,6 @@ class _ChoiceProgress:
     text_offset: int = 0
     started: bool = False
     finished: bool = False
-
-
-def _usage(finals: list) -> dict:
-    prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 class CompletionHandler:
@@ -83,7 +77,7 @@ class CompletionHandler:
                 })
         return {
             "id": request_id, "object": "text_completion", "created": created, "model": model,
-            "choices": sorted(choices, key=lambda c: c["index"]), "usage": _usage(finals),
+            "choices": sorted(choices, key=lambda c: c["index"]), "usage": usage(finals),
         }
 
     async def _stream(self, body, prompts, generations, request_id, model, created) -> AsyncIterator[dict]:
@@ -128,5 +122,5 @@ class CompletionHandler:
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
                 }])
         if include_usage:
-            yield chunk([], _usage(finals))
+            yield chunk([], usage(finals))
 

@@ -79,6 +79,13 @@ def _num_generated(output) -> int:
     return sum(len(completion.token_ids) for completion in output.outputs)
 
 
+def usage(finals: list) -> dict:
+    """OpenAI's usage object over the final outputs of one HTTP request's engine requests."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(_num_generated(out) for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
 async def _abort(engine, request_id: str) -> None:
     with anyio.CancelScope(shield=True):
         await engine.abort(request_id)
