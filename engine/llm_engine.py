@@ -4,18 +4,32 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 import torch
+
+from adapters_registry import ModelInfo
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .kv_cache import BlockAllocator, allocate_kv_caches, bytes_per_block
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
-from .model_loader import iter_safetensors, load_hf_config, load_tokenizer, resolve_model_dir
+from .model_loader import (
+    iter_safetensors,
+    load_hf_config,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
-from .sampler import Sampler, SamplingRow, compute_logprobs, gather_logprobs, make_generator
+from .sampler import (
+    Sampler,
+    SamplingRow,
+    compute_logprobs,
+    gather_logprobs,
+    make_generator,
+)
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import Request, Sequence, SequenceStatus
@@ -139,10 +153,9 @@ class LLMEngine:
                            device=self.device, dtype=self.dtype,
                            allow_pickle=self.config.allow_pickle_adapters, **hooks)
 
-    @property
+    @cached_property
     def model_info(self):
-        from adapters_registry import ModelInfo
-
+        """What adapters are validated against (built once: the model's shapes never change)."""
         architectures = getattr(self.hf_config, "architectures", None) or [ARCHITECTURES[self.hf_config.model_type]]
         return ModelInfo(architecture=architectures[0], model_type=self.hf_config.model_type,
                          name_or_path=self.model_name, module_shapes=self.model.module_shapes(),
