@@ -79,9 +79,7 @@ def test_the_model_with_the_triton_ops_matches_transformers():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, LORASERVE_FUSED_BACKEND="triton")
-    if DEVICE == "cpu":
-        env["TRITON_INTERPRET"] = "1"
+    env = dict(os.environ, LORASERVE_FUSED_BACKEND="triton", TRITON_INTERPRET="1")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/engine/test_model_parity.py",
          "-k", "llama] or qwen2"],
