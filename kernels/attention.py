@@ -1,16 +1,34 @@
 """Attention over a paged KV cache: the torch implementation (CPU, and the reference on GPU).
 
 The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's
-tokens live in the blocks its block table lists, in order.
+tokens live in the blocks its block table lists, in order. The KV write and the decode attention
+run Triton kernels on CUDA tensors (split-context decode, one launch for K and V) and torch
+elsewhere; `LORASERVE_ATTENTION_BACKEND=triton|torch` forces one (with `TRITON_INTERPRET=1` the
+Triton kernels run on the CPU, which is how CI checks them).
 """
 from __future__ import annotations
 
 import torch
 
+from kernels.backend import use_triton
+
+BACKEND_ENV = "LORASERVE_ATTENTION_BACKEND"
+
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Store the new tokens' keys and values at their flat cache slots (block * block_size + offset)."""
+    if use_triton(BACKEND_ENV, default=k.is_cuda):
+        from kernels.kv_write_triton import write_kv as triton_write_kv
+
+        triton_write_kv(k_cache, v_cache, k, v, slot_mapping)
+    else:
+        write_kv_torch(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slot_mapping: torch.Tensor) -> None:
+    """The torch reference of `write_kv`: one `index_copy_` per cache."""
     flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
     flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
@@ -25,7 +43,7 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One query token per sequence: the Triton kernel on CUDA, torch elsewhere."""
-    if q.is_cuda:
+    if use_triton(BACKEND_ENV, default=q.is_cuda):
         from kernels.paged_attention_triton import paged_attention_decode as triton_decode
 
         return triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)

@@ -1,24 +1,46 @@
-"""Triton decode attention over the paged KV cache: one program per (sequence, KV head).
+"""Triton decode attention over the paged KV cache, split over the context ("flash-decoding").
 
-Each program serves all query heads of its KV head (GQA) with one online-softmax pass over the
-sequence's blocks, so K and V are read once per KV head. Shapes are fixed by the buffers (no host
-syncs), so a CUDA graph can capture it.
+One program per (sequence, KV head, split) serves all query heads of its KV head (GQA), so K and V
+are read once per KV head, with an online softmax over its share of the sequence's tokens. The
+split count is static (from the batch size, KV heads and the block table's width: no host syncs,
+so a CUDA graph can capture it); each sequence's tiles are spread evenly over the splits on the
+device, so short sequences in a wide table still use every split and splits past the end exit at
+once. With one split the program writes the output; otherwise it writes its partial (max, sum,
+unnormalised output) in fp32 and a second launch combines the splits. A row with length 0 is
+left as is.
 """
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 import triton
 import triton.language as tl
 
+# Split until about this many programs per multiprocessor (on the H200, batch x KV heads >= 512
+# programs run fastest unsplit; fewer gain up to 15x at long contexts: BENCHMARKS.md).
+PROGRAMS_PER_SM = 4
+# A table this many tokens wide or narrower is never split: the combine launch would cost more.
+SINGLE_PASS_TOKENS = 256
+# Each split covers at least this many tokens of the table's width.
+SPLIT_MIN_TOKENS = 64
+MAX_SPLITS = 32
+
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
-                   GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, IEEE: tl.constexpr):
+                   num_heads, num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    length = tl.load(lens_ptr + seq)
+    split = tl.program_id(2)
+    length = tl.load(lens_ptr + seq).to(tl.int32)
+    tiles_per_split = tl.cdiv(tl.cdiv(length, TOKENS), num_splits)
+    start = split * tiles_per_split * TOKENS
+    if start >= length:
+        return
+    end = tl.minimum(start + tiles_per_split * TOKENS, length)
     heads = kv_head * GROUP + tl.arange(0, GROUP_PAD)
     head_ok = tl.arange(0, GROUP_PAD) < GROUP
     dims = tl.arange(0, HEAD_DIM)
@@ -27,9 +49,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     offsets = tl.arange(0, TOKENS)
-    for start in range(0, length, TOKENS):
-        tokens = start + offsets
-        valid = tokens < length
+    for first in range(start, end, TOKENS):
+        tokens = first + offsets
+        valid = tokens < end
         blocks = tl.load(tables_ptr + seq * stride_tb + tokens // BLOCK_SIZE, mask=valid, other=0)
         rows = blocks.to(tl.int64) * stride_kb + (tokens % BLOCK_SIZE) * stride_kt + kv_head * stride_kh
         k = tl.load(k_ptr + rows[:, None] + dims[None, :], mask=valid[:, None], other=0.0)
@@ -48,27 +70,89 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, scale,
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+    if SPLIT:
+        part = (seq * num_heads + heads) * num_splits + split
+        tl.store(m_ptr + part, m, mask=head_ok)
+        tl.store(l_ptr + part, denom, mask=head_ok)
+        tl.store(acc_ptr + part[:, None] * HEAD_DIM + dims[None, :], acc, mask=head_ok[:, None])
+    else:
+        tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+                 (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+
+
+@triton.jit
+def _combine_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
+                    HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    length = tl.load(lens_ptr + seq).to(tl.int32)
+    if length <= 0:
+        return
+    tiles = tl.cdiv(length, TOKENS)
+    used = tl.cdiv(tiles, tl.cdiv(tiles, num_splits))
+    parts = tl.arange(0, SPLITS_PAD)
+    ok = parts < used
+    dims = tl.arange(0, HEAD_DIM)
+    base = (seq * num_heads + head) * num_splits
+    m = tl.load(m_ptr + base + parts, mask=ok, other=float("-inf"))
+    l = tl.load(l_ptr + base + parts, mask=ok, other=0.0)
+    acc = tl.load(acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
+    weight = tl.exp(m - tl.max(m, axis=0))
+    out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
+    tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+@lru_cache(maxsize=None)
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, kv_heads: int, max_context: int, multiprocessors: int) -> int:
+    """Splits that give every multiprocessor about PROGRAMS_PER_SM programs, from static shapes only."""
+    if max_context <= SINGLE_PASS_TOKENS:
+        return 1
+    wanted = PROGRAMS_PER_SM * multiprocessors // (batch * kv_heads)
+    return max(1, min(wanted, triton.cdiv(max_context, SPLIT_MIN_TOKENS), MAX_SPLITS))
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, kv_heads, D]; a row with length 0 is left as is."""
+                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, kv_heads, D]; a row with length 0 is left as is.
+
+    `num_splits` overrides the static split count (tests use it to split tiny contexts).
+    """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     if out is None:
         out = torch.empty_like(q)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size,
+                                        multiprocessor_count(q.device))
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     tokens = max(block_size, 64 if q.dtype != torch.float32 else 32)
-    _decode_kernel[(batch, kv_heads)](
-        q, k_cache, v_cache, block_tables, context_lens, out, scale,
+    if num_splits == 1:
+        m = l = acc = out
+    else:
+        m = torch.empty(batch, heads, num_splits, dtype=torch.float32, device=q.device)
+        l = torch.empty_like(m)
+        acc = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    _decode_kernel[(batch, kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc, scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, TOKENS=tokens, IEEE=q.dtype == torch.float32,
+        BLOCK_SIZE=block_size, TOKENS=tokens, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
         num_warps=4,
     )
+    if num_splits > 1:
+        _combine_kernel[(batch, heads)](
+            m, l, acc, context_lens, out, out.stride(0), out.stride(1), heads, num_splits,
+            HEAD_DIM=head_dim, TOKENS=tokens, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            num_warps=4,
+        )
     return out

@@ -1,31 +1,149 @@
-"""The Triton paged decode attention against the float64 torch computation, GQA and ragged lengths."""
+"""The Triton paged decode attention and KV write against float64 torch: splits, GQA, ragged lengths."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.attention import paged_attention_decode as torch_decode
-from tests.kernels.lora_cases import triton_runs_in_process
+from kernels.attention import decode_attention, paged_attention_decode as torch_decode, write_kv, write_kv_torch
+from tests.kernels.lora_cases import relative_error, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
                                 reason="Triton was imported before its interpreter could be enabled")
+BLOCK_SIZE, DIM = 16, 16
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3}
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 2)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_matches_float64_reference(heads, kv_heads, dtype):
+def _case(seed: int, heads: int, kv_heads: int, lengths: list[int], width: int, dtype: torch.dtype):
+    """Random q and caches; block tables `width` blocks wide, unused entries pointing at a scratch block."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = len(lengths)
+    num_blocks = batch * width + 1
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, DIM, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, DIM, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(batch, heads, DIM, generator=gen).to(DEVICE, dtype)
+    tables = torch.randperm(num_blocks - 1, generator=gen).view(batch, width)
+    for row, length in enumerate(lengths):
+        tables[row, -(-length // BLOCK_SIZE):] = num_blocks - 1
+    lens = torch.tensor(lengths)
+    return q, k_cache, v_cache, tables.to(DEVICE), lens.to(DEVICE)
+
+
+def _reference(q, k_cache, v_cache, tables, lens) -> torch.Tensor:
+    return torch_decode(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.3)
+
+
+def _run(q, k_cache, v_cache, tables, lens, num_splits: int | None) -> torch.Tensor:
     from kernels.paged_attention_triton import paged_attention_decode
 
-    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    num_blocks, block_size, dim = 24, 4, 16
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen).to(DEVICE, dtype)
-    q = torch.randn(4, heads, dim, generator=gen).to(DEVICE, dtype)
-    tables = torch.randperm(num_blocks, generator=gen)[:20].view(4, 5).to(DEVICE)
-    lengths = torch.tensor([1, 6, 20, 13], device=DEVICE)
     out = torch.full_like(q, float("nan"))
-    paged_attention_decode(q, k_cache, v_cache, tables, lengths, 0.3, out=out)
-    ref = torch_decode(q.double(), k_cache.double(), v_cache.double(), tables, lengths, 0.3)
-    error = (out.double() - ref).norm() / ref.norm()
-    assert error < (1e-6 if dtype == torch.float32 else 2e-3)
+    paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.3, out=out, num_splits=num_splits)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 2)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_split_decode_matches_float64_with_ragged_lengths(heads, kv_heads, dtype):
+    # 32-token tiles (fp32) or 64 (fp16); 3 splits: lengths on and around tile and split boundaries
+    lengths = [1, 32, 33, 64, 96, 150, 192, 17]
+    q, k_cache, v_cache, tables, lens = _case(heads * 10 + kv_heads, heads, kv_heads, lengths, 13, dtype)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=3)
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, lens)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_single_pass_decode_matches_float64(dtype):
+    q, k_cache, v_cache, tables, lens = _case(7, 8, 2, [1, 6, 20, 13, 80], 6, dtype)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=1)
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, lens)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_rows_of_length_zero_are_left_untouched(num_splits):
+    q, k_cache, v_cache, tables, lens = _case(3, 4, 2, [40, 0, 100, 0], 8, torch.float32)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=num_splits)
+    assert out[[1, 3]].isnan().all()
+    live = torch.tensor([0, 2])
+    ref = _reference(q[live], k_cache, v_cache, tables[live], lens[live])
+    assert relative_error(out[live], ref) < 1e-6
+
+
+def test_more_splits_than_tiles_leaves_the_extra_splits_idle():
+    q, k_cache, v_cache, tables, lens = _case(5, 6, 3, [1, 31, 45, 70], 5, torch.float32)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=8)
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, lens)) < 1e-6
+
+
+def test_default_path_matches_float64_on_a_wide_padded_table():
+    q, k_cache, v_cache, tables, lens = _case(11, 4, 1, [300, 5, 513], 40, torch.float32)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=None)
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, lens)) < 1e-6
+
+
+@pytest.mark.parametrize("batch,max_context,splits", [
+    (64, 512, 1),  # 512 programs already fill 132 multiprocessors
+    (16, 2048, 4),
+    (1, 8192, 32),  # capped at MAX_SPLITS
+    (1, 512, 8),  # capped at one split per 64 tokens of the table
+    (1, 256, 1),  # short tables take one pass
+])
+def test_default_split_count_fills_the_multiprocessors(batch, max_context, splits):
+    from kernels.paged_attention_triton import default_num_splits
+
+    assert default_num_splits(batch, 8, max_context, multiprocessors=132) == splits
+
+
+def _kv_case(tokens: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(tokens)
+    num_blocks, kv_heads = 6, 3
+    k_cache = torch.full((num_blocks, BLOCK_SIZE, kv_heads, DIM), float("nan"), dtype=dtype, device=DEVICE)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    # k and v as strided views of one fused projection, as the model produces them
+    qkv = torch.randn(tokens, 4 * kv_heads * DIM, generator=gen).to(DEVICE)
+    k = qkv[:, kv_heads * DIM:2 * kv_heads * DIM].view(tokens, kv_heads, DIM)
+    v = qkv[:, 3 * kv_heads * DIM:].view(tokens, kv_heads, DIM)
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE)
+    return k_cache, v_cache, k, v, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_kv_write_matches_index_copy_and_leaves_other_slots(dtype):
+    from kernels.kv_write_triton import write_kv as triton_write_kv
+
+    k_cache, v_cache, k, v, slots = _kv_case(37, dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv_torch(want_k, want_v, k, v, slots)
+    triton_write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache.isnan(), want_k.isnan()) and torch.equal(v_cache.isnan(), want_v.isnan())
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
+
+
+@pytest.mark.parametrize("backend,expect_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
+def test_backend_switch_picks_the_kernels_for_write_and_decode(backend, expect_triton, monkeypatch):
+    from kernels import kv_write_triton, paged_attention_triton
+
+    monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", backend)
+    calls = []
+    for module, name in [(kv_write_triton, "write_kv"), (paged_attention_triton, "paged_attention_decode")]:
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    k_cache, v_cache, k, v, slots = _kv_case(BLOCK_SIZE * 4, torch.float32)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    write_kv_torch(want_k, want_v, k, v, slots)
+    write_kv(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
+    q = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    tables = torch.tensor([[0, 1, 2, 3], [5, 4, 2, 1]], device=DEVICE)
+    lens = torch.tensor([64, 50], device=DEVICE)
+    caches = want_k.nan_to_num(), want_v.nan_to_num()
+    out = decode_attention(q, *caches, tables, lens, 0.3)
+    assert relative_error(out, _reference(q, *caches, tables, lens)) < 1e-6
+    assert calls == (["write_kv", "paged_attention_decode"] if expect_triton else [])
+
+
+def test_backend_switch_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", "cuda")
+    k_cache, v_cache, k, v, slots = _kv_case(4, torch.float32)
+    with pytest.raises(ValueError, match="LORASERVE_ATTENTION_BACKEND"):
+        write_kv(k_cache, v_cache, k, v, slots)
