@@ -15,6 +15,7 @@ import argparse
 import cProfile
 import json
 import pstats
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -39,43 +40,44 @@ class Measurement:
     batch: int
     lora: bool
     steps: int
-    wall_ms: float  # per decode step
-    model_ms: float  # per step, inside the forward / graph replay and compute_logits
-    host_ms: float  # wall_ms - model_ms
+    wall_ms: float  # median decode step
+    model_ms: float  # median per step inside the forward / graph replay and compute_logits
+    host_ms: float  # median of each step's wall time less its model time
 
 
 class ModelTimer:
-    """Accumulates the time spent inside wrapped model calls: wall on the CPU, device time on CUDA."""
+    """Time inside wrapped model calls, per step: wall on the CPU, device time (CUDA events) on a GPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.seconds = 0.0
-        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._steps: list[list] = []  # per step: seconds (CPU) or (start, end) event pairs (CUDA)
 
     def wrap(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
+            if not self._steps:
+                return fn(*args, **kwargs)
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 out = fn(*args, **kwargs)
                 end.record()
-                self._events.append((start, end))
+                self._steps[-1].append((start, end))
                 return out
             start = time.perf_counter()
             out = fn(*args, **kwargs)
-            self.seconds += time.perf_counter() - start
+            self._steps[-1].append(time.perf_counter() - start)
             return out
         return timed
 
-    def reset(self) -> None:
-        self.seconds, self._events = 0.0, []
+    def begin_step(self) -> None:
+        self._steps.append([])
 
-    def total(self) -> float:
-        """Seconds inside the wrapped calls since the last reset (synchronizes a GPU)."""
+    def per_step(self) -> list[float]:
+        """Seconds inside the wrapped calls, per step since the first begin_step (synchronizes a GPU)."""
         if self.cuda:
             torch.cuda.synchronize()
-            return sum(s.elapsed_time(e) for s, e in self._events) / 1e3
-        return self.seconds
+            return [sum(s.elapsed_time(e) for s, e in step) / 1e3 for step in self._steps]
+        return [sum(step) for step in self._steps]
 
 
 class _TimedGraph:
@@ -112,14 +114,18 @@ def add_requests(engine: LLMEngine, batch: int, adapters: list[Path] | None, max
         engine.add_request(prompt, params, lora)
 
 
-def run_steps(engine: LLMEngine, steps: int) -> float:
-    """Seconds for `steps` steps, each of which must be a pure decode of the whole batch."""
-    start = time.perf_counter()
+def run_steps(engine: LLMEngine, steps: int, timer: ModelTimer | None = None) -> list[float]:
+    """Wall seconds of each of `steps` steps (a GPU is synchronized after each)."""
+    walls = []
     for _ in range(steps):
+        if timer is not None:
+            timer.begin_step()
+        start = time.perf_counter()
         engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+    return walls
 
 
 def prepare(model_dir: Path, device: str, batch: int, adapters: list[Path] | None, steps: int) -> LLMEngine:
@@ -134,13 +140,14 @@ def prepare(model_dir: Path, device: str, batch: int, adapters: list[Path] | Non
 
 
 def measure(model_dir: Path, device: str, batch: int, adapters: list[Path] | None, steps: int) -> Measurement:
+    """Medians over the steps, so that a step slowed by another process on the machine does not count."""
     engine = prepare(model_dir, device, batch, adapters, steps)
     timer = instrument(engine)
-    wall = run_steps(engine, steps)
-    model = timer.total()
+    walls = run_steps(engine, steps, timer)
+    models = timer.per_step()
     return Measurement(device=str(engine.device), batch=batch, lora=adapters is not None, steps=steps,
-                       wall_ms=wall / steps * 1e3, model_ms=model / steps * 1e3,
-                       host_ms=(wall - model) / steps * 1e3)
+                       wall_ms=statistics.median(walls) * 1e3, model_ms=statistics.median(models) * 1e3,
+                       host_ms=statistics.median(w - m for w, m in zip(walls, models)) * 1e3)
 
 
 def model_functions(stats: dict) -> set:

@@ -1,12 +1,13 @@
 """Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
 
 Every input the layers read lives in static buffers (token ids, positions, KV slots, block
-tables, context lengths, LoRA metadata); a step copies its values in and replays the graph of
-the smallest bucket that fits. Padding rows write their KV to a scratch block nobody reads and
-use no adapter.
+tables, context lengths, adapter slots); a step copies its values in and replays the graph of
+the smallest bucket that fits, which also groups the tokens by adapter (the LoRA metadata).
+Padding rows write their KV to a scratch block nobody reads and use no adapter.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import kernels
@@ -37,9 +38,13 @@ class DecodeGraphs:
         self.context_lens = torch.ones(top, dtype=torch.long, device=device)
         self.lora_slots = torch.full((top,), -1, dtype=torch.long, device=device)
         self._device_rows = (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots)
-        # page-locked staging, reused every step, so the host-to-device copies are asynchronous
+        # page-locked staging, reused every step, so the host-to-device copies are asynchronous; numpy
+        # views write Python lists into it without building tensors
         self._host_rows = torch.zeros((5, top), dtype=torch.long).pin_memory()
-        self._host_tables = torch.zeros((top, max_blocks_per_seq), dtype=torch.long).pin_memory()
+        self._host_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long).pin_memory()
+        self._rows, self._tables = self._host_rows.numpy(), self._host_tables.numpy()
+        self._padding_row = np.array([0, 0, scratch_block * block_size, 1, -1])[:, None]
+        self._staged_tables: list[list[int]] = [[] for _ in range(top)]  # what each row of _tables holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.lora_meta: dict[int, object] = {}
@@ -57,18 +62,24 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             if self.num_lora_slots:
-                meta = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
-                kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=meta)
-                self.lora_meta[size] = meta
+                self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
+                self._prepare_lora(size)
             step = self._step_input(size)
             with torch.inference_mode():
                 self.model(step, self.kv_caches)  # warm-up: compiles kernels outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
+                    self._prepare_lora(size)
                     self.outputs[size] = self.model(step, self.kv_caches)
             self.graphs[size] = graph
         torch.cuda.synchronize()
+
+    def _prepare_lora(self, size: int) -> None:
+        """Groups the tokens by adapter slot from the static slot buffer; captured in the graph, so a
+        replay does it without host work."""
+        if self.num_lora_slots:
+            kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
@@ -78,20 +89,31 @@ class DecodeGraphs:
         """Hidden states [B, hidden] of one decode token per sequence."""
         batch = len(input_ids)
         size = next(b for b in self.buckets if b >= batch)
-        bs, pad = self.block_size, size - batch
-        width = self.block_tables.shape[1]
-        slots = [table[p // bs] * bs + p % bs for table, p in zip(block_tables, positions)]
-        rows = input_ids + [0] * pad, positions + [0] * pad, slots + [self.scratch_block * bs] * pad, \
-            [p + 1 for p in positions] + [1] * pad, lora_slots + [-1] * pad
-        staged = self._host_rows[:, :size]
-        staged.copy_(torch.tensor(rows, dtype=torch.long))
-        tables = self._host_tables[:size]
-        tables.copy_(torch.tensor([t + [self.scratch_block] * (width - len(t)) for t in block_tables]
-                                  + [[self.scratch_block] * width] * pad, dtype=torch.long))
-        for target, source in zip(self._device_rows, staged):
+        self._stage_tables(block_tables, size)
+        rows, bs = self._rows, self.block_size
+        rows[0, :batch] = input_ids
+        rows[1, :batch] = positions
+        position = rows[1, :batch]
+        rows[2, :batch] = self._tables[np.arange(batch), position // bs] * bs + position % bs
+        rows[3, :batch] = position + 1
+        rows[4, :batch] = lora_slots
+        rows[:, batch:size] = self._padding_row
+        for target, source in zip(self._device_rows, self._host_rows[:, :size]):
             target[:size].copy_(source, non_blocking=True)
-        self.block_tables[:size].copy_(tables, non_blocking=True)
-        if self.num_lora_slots:
-            kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
+        self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:batch]
+
+    def _stage_tables(self, block_tables: list[list[int]], size: int) -> None:
+        """Rewrites only the staged block-table rows that changed (a sequence's table grows a block
+        every block_size tokens); the rest of each row, and the padding rows, hold the scratch block."""
+        staged, tables = self._staged_tables, self._tables
+        for row, table in enumerate(block_tables):
+            if staged[row] != table:
+                tables[row, :len(table)] = table
+                tables[row, len(table):len(staged[row])] = self.scratch_block
+                staged[row] = list(table)
+        for row in range(len(block_tables), size):
+            if staged[row]:
+                tables[row, :len(staged[row])] = self.scratch_block
+                staged[row] = []

@@ -6,6 +6,11 @@ end in U+FFFD, so a multi-byte character split across tokens is never shown half
 """
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
+from transformers import PreTrainedTokenizerBase, TokenizersBackend
+
 from engine.sampling_params import SamplingParams
 
 # How many prompt tokens give the first generated token its context (spaces, merges), as in vLLM.
@@ -17,7 +22,7 @@ class IncrementalDetokenizer:
     """Text of one generated sequence, fed one token at a time."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
-        self._tokenizer = tokenizer
+        self._decode = _decoder(tokenizer, params.skip_special_tokens)
         self._params = params
         # Only the prompt's tail is kept: the window never reaches further back.
         self._ids = list(prompt_token_ids[-(_PROMPT_CONTEXT + 2) :])
@@ -59,10 +64,8 @@ class IncrementalDetokenizer:
         return self._text
 
     def _decode_new(self) -> str:
-        # spaces_between_special_tokens is not passed: no transformers 5 tokenizer uses it, and one rejects it.
-        decode_kwargs = dict(skip_special_tokens=self._params.skip_special_tokens, clean_up_tokenization_spaces=False)
-        prefix_text = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset], **decode_kwargs)
-        full_text = self._tokenizer.decode(self._ids[self._prefix_offset :], **decode_kwargs)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
         if len(full_text) <= len(prefix_text) or full_text.endswith(_REPLACEMENT_CHAR):
             # Nothing visible yet (a skipped special token, or an unfinished character): wait for more.
             return ""
@@ -101,3 +104,16 @@ class IncrementalDetokenizer:
             if any(len(stop) > length and stop.startswith(tail) for stop in self._stop):
                 return length
         return 0
+
+
+def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    """tokenizer.decode(ids, skip_special_tokens=..., clean_up_tokenization_spaces=False).
+
+    A fast tokenizer whose decode is transformers' own only forwards that to the Rust tokenizer, after
+    argument checks that cost more than decoding the few ids of a window: then the Rust one is called.
+    (spaces_between_special_tokens is not passed: no transformers 5 tokenizer uses it, and one rejects it.)
+    """
+    cls = type(tokenizer)
+    if cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode:
+        return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)

@@ -28,6 +28,7 @@ from .sampler import (
     SamplingRow,
     compute_logprobs,
     gather_logprobs,
+    is_plain_greedy,
     make_generator,
 )
 from .sampling_params import SamplingParams
@@ -247,20 +248,17 @@ class LLMEngine:
         if plan.empty:
             return [self._output(request) for request in self._finish_detokenization().values()]
         scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
-        slots = ([self.lora_manager.slot_for(item.seq.request.lora_request) for item in scheduled]
-                 if self.lora_manager else [-1] * len(scheduled))
-        if self.lora_manager:
-            self.lora_manager.wait_for_loads()
+        slots = self._adapter_slots(scheduled)
         result = self.runner.execute(scheduled, slots)
         self._record_prompt_logprobs(scheduled, result)
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         logits = None
         if sampling:
             rows = [result.starts[i] + scheduled[i].num_new_tokens - 1 for i in sampling]
-            logits = self.model.compute_logits(result.hidden[rows])
+            logits = self.model.compute_logits(_take_rows(result.hidden, rows))
         outputs = {request_id: self._output(request)
                    for request_id, request in self._finish_detokenization().items()}
-        sampled = self.sampler(logits, [self._sampling_row(scheduled[i].seq) for i in sampling]) if sampling else []
+        sampled = self._sample(logits, [scheduled[i].seq for i in sampling]) if sampling else []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         for i, token in zip(sampling, sampled):
@@ -285,6 +283,28 @@ class LLMEngine:
             touched[seq.request.request_id] = seq.request
         self._pending_detokenization.clear()
         return touched
+
+    def _adapter_slots(self, scheduled: list[ScheduledSequence]) -> list[int]:
+        """The LoRA slot of each scheduled sequence (-1: base), looked up once per adapter in the batch."""
+        if not self.lora_manager:
+            return [-1] * len(scheduled)
+        slot_of: dict[int, int] = {}  # adapter int id (0: base) -> slot
+        slots = []
+        for item in scheduled:
+            lora = item.seq.request.lora_request
+            key = lora.lora_int_id if lora is not None else 0
+            slot = slot_of.get(key)
+            if slot is None:
+                slot = slot_of[key] = self.lora_manager.slot_for(lora)
+            slots.append(slot)
+        self.lora_manager.wait_for_loads()
+        return slots
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list:
+        """A batch asking for nothing but greedy tokens skips the sampler's per-row work (same result)."""
+        if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
+            return self.sampler.greedy(logits)
+        return self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
@@ -334,22 +354,12 @@ class LLMEngine:
         self.scheduler.finish(seq)
 
     def _output(self, request: Request) -> RequestOutput:
-        if request.finished:
+        finished = request.finished
+        if finished:
             self.requests.pop(request.request_id, None)
-        completions = []
-        for seq in request.sequences:
-            done = seq.status is SequenceStatus.FINISHED
-            stopped_by_string = isinstance(seq.stop_reason, str)
-            text = seq.detokenizer.flush() if done and not stopped_by_string else seq.detokenizer.output_text
-            completions.append(CompletionOutput(
-                index=seq.index, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            ))
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
-            outputs=completions, finished=request.finished,
+            outputs=[_completion(seq) for seq in request.sequences], finished=finished,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
             lora_name=request.lora_request.lora_name if request.lora_request else None,
         )
@@ -366,6 +376,27 @@ class LLMEngine:
             kv_blocks_used=self.allocator.num_used, kv_blocks_total=self.allocator.num_blocks,
             lora_slots_used=used, lora_slots_total=total, num_preemptions=self.scheduler.num_preemptions,
         )
+
+
+def _completion(seq: Sequence) -> CompletionOutput:
+    """A snapshot of one sequence: its token and logprob lists are copies."""
+    if seq.status is SequenceStatus.FINISHED and not isinstance(seq.stop_reason, str):
+        text = seq.detokenizer.flush()
+    else:
+        text = seq.detokenizer.output_text
+    return CompletionOutput(
+        index=seq.index, text=text, token_ids=seq.output_token_ids, cumulative_logprob=seq.cumulative_logprob,
+        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+    )
+
+
+def _take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] for increasing rows, as a view when they are the leading ones (every decode step):
+    indexing by a list copies it to the device and waits there for the forward to finish."""
+    if rows[-1] == len(rows) - 1:
+        return hidden[:len(rows)]
+    return hidden[torch.tensor(rows).to(hidden.device, non_blocking=True)]
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

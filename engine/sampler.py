@@ -81,6 +81,12 @@ class Sampler:
                 )
 
     @torch.no_grad()
+    def greedy(self, logits: torch.Tensor) -> list[SampledToken]:
+        """What __call__ returns when every row is_plain_greedy, without looking at the rows."""
+        raw = logits[:, : self.vocab_size].float()
+        return _chosen(raw, raw.argmax(dim=-1))
+
+    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         if logits.shape[0] != len(rows):
             raise ValueError(f"got logits for {logits.shape[0]} sequences but {len(rows)} sampling rows")
@@ -184,9 +190,8 @@ class Sampler:
     # -- reporting -----------------------------------------------------------------------
 
     def _report(self, raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        chosen = raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
-        ids, logprobs = token_ids.tolist(), chosen.tolist()
-        result = [SampledToken(token_id, lp) for token_id, lp in zip(ids, logprobs)]
+        result = _chosen(raw, token_ids)
+        ids = [token.token_id for token in result]
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if wanted:
             num_top = max(rows[i].params.logprobs for i in wanted)
@@ -198,6 +203,19 @@ class Sampler:
                 result[i].top_logprobs = entry
                 result[i].logprob = entry[ids[i]]
         return result
+
+
+def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row's token is the raw argmax and only its raw logprob is reported: greedy, and no
+    logit_bias, min_tokens masking, penalty or top logprobs apply (then Sampler.greedy serves it)."""
+    return (params.is_greedy and not params.logit_bias and params.logprobs is None
+            and num_output_tokens >= params.min_tokens and not _has_penalty(params))
+
+
+def _chosen(raw: torch.Tensor, token_ids: torch.Tensor) -> list[SampledToken]:
+    """Each row's chosen token with its logprob under the raw logits."""
+    logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+    return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 
 
 def _has_penalty(params: SamplingParams) -> bool:

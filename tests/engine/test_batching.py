@@ -38,6 +38,20 @@ def test_greedy_equals_transformers_generate(llama_engine, hf_llama):
         assert _alone(llama_engine, prompt) == ref[0, ids.shape[1]:].tolist()
 
 
+def test_greedy_results_do_not_depend_on_whether_the_batch_takes_the_samplers_fast_path(llama_engine):
+    """All-greedy batches skip the sampler's per-row work; a row asking for logprobs sends the same
+    batch through the general path, and the other row's tokens and logprobs must not move."""
+    def run(second):
+        ids = [llama_engine.add_request(PROMPTS[1], GREEDY), llama_engine.add_request(PROMPTS[2], second)]
+        outputs = run_to_completion(llama_engine)
+        return [(outputs[i].outputs[0].token_ids, outputs[i].outputs[0].cumulative_logprob) for i in ids]
+
+    fast = run(GREEDY)
+    general = run(SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1))
+    assert general[0] == fast[0]
+    assert general[1][0] == fast[1][0]  # (its logprobs come from log_softmax, equal to about 1e-7)
+
+
 def test_requests_join_a_running_batch(llama_engine):
     first = llama_engine.add_request(PROMPTS[0], GREEDY)
     llama_engine.step()

@@ -1,3 +1,4 @@
+import copy
 import random
 
 import pytest
@@ -139,6 +140,24 @@ def test_special_tokens_in_the_prompt_do_not_leak_into_the_output(tokenizer):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     detok, _, _ = stream(tokenizer, "Hello world", prompt=prompt, skip_special_tokens=False)
     assert detok.flush() == "Hello world"
+
+
+def through_transformers(tokenizer):
+    """The same tokenizer, but its decode is overridden, so the detokenizer must call it rather than Rust."""
+    cls = type(tokenizer)
+    wrapped = copy.copy(tokenizer)
+    wrapped.__class__ = type(f"Wrapped{cls.__name__}", (cls,), {"decode": lambda self, *a, **k: cls.decode(self, *a, **k)})
+    return wrapped
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_decoding_through_rust_shows_what_transformers_decode_shows(tokenizer, skip_special_tokens):
+    rng = random.Random(1)
+    ids = [rng.randrange(len(tokenizer)) for _ in range(300)]  # special tokens included
+    assert set(ids) & set(tokenizer.all_special_ids)
+    _, direct, _ = stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
+    _, wrapped, _ = stream(through_transformers(tokenizer), ids, skip_special_tokens=skip_special_tokens)
+    assert direct == wrapped
 
 
 @pytest.fixture(scope="module")

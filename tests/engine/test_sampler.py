@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplingRow, compute_logprobs, gather_logprobs, make_generator
+from engine.sampler import (
+    Sampler,
+    SamplingRow,
+    compute_logprobs,
+    gather_logprobs,
+    is_plain_greedy,
+    make_generator,
+)
 from engine.sampling_params import SamplingParams
 
 EOS = 2
@@ -38,6 +45,34 @@ def test_greedy_is_argmax_of_each_row(device):
     logits = random_logits(8, device=device)
     tokens = [t.token_id for t in sample(logits, [row(temperature=0.0) for _ in range(8)])]
     assert tokens == logits.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_fast_path_gives_the_general_paths_tokens_and_logprobs(device):
+    logits = random_logits(16, vocab=VOCAB + 6, seed=11, device=device).to(torch.bfloat16)
+    logits[:, VOCAB:] = 100.0  # padded vocabulary columns: never chosen by either path
+    logits[3, 7] = logits[3, 9] = 50.0  # a tie: both paths take the first
+    sampler = Sampler({EOS}, VOCAB)
+    general = sampler(logits, [row(temperature=0.0) for _ in range(16)])
+    fast = sampler.greedy(logits)
+    assert [(t.token_id, t.logprob, t.top_logprobs) for t in fast] == \
+        [(t.token_id, t.logprob, t.top_logprobs) for t in general]
+    assert fast[3].token_id == 7
+
+
+@pytest.mark.parametrize("params, num_output, plain", [
+    (SamplingParams(temperature=0.0), 0, True),
+    (SamplingParams(temperature=0.0, min_tokens=3), 3, True),
+    (SamplingParams(temperature=0.0, min_tokens=3), 2, False),
+    (SamplingParams(temperature=0.5), 0, False),
+    (SamplingParams(temperature=0.0, logprobs=0), 0, False),
+    (SamplingParams(temperature=0.0, logit_bias={1: 1.0}), 0, False),
+    (SamplingParams(temperature=0.0, repetition_penalty=1.2), 0, False),
+    (SamplingParams(temperature=0.0, frequency_penalty=0.5), 0, False),
+    (SamplingParams(temperature=0.0, presence_penalty=0.5), 0, False),
+])
+def test_plain_greedy_rows_are_those_the_general_path_leaves_at_the_raw_argmax(params, num_output, plain):
+    assert is_plain_greedy(params, num_output) is plain
 
 
 def test_top_k_one_equals_greedy():
