@@ -19,8 +19,8 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -78,7 +78,11 @@ class Shapes:
 
 def decode_row(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int, context: int,
                table_tokens: int, splits: list[int], bandwidth: float) -> dict:
-    from kernels.paged_attention_triton import default_num_splits, multiprocessor_count, paged_attention_decode
+    from kernels.paged_attention_triton import (
+        default_num_splits,
+        multiprocessor_count,
+        paged_attention_decode,
+    )
 
     device = k_cache.device
     gen = torch.Generator(device=device).manual_seed(batch * 100003 + context)
@@ -139,7 +143,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 128, 256])
     parser.add_argument("--contexts", type=int, nargs="*", default=[128, 512, 2048, 8192])
-    parser.add_argument("--table-tokens", type=int, default=0, help="block-table width in tokens (default: the context)")
+    parser.add_argument("--table-tokens", type=int, default=0,
+                        help="block-table width in tokens (default: the context)")
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="also time these split counts")
     parser.add_argument("--write-tokens", type=int, nargs="*", default=[64, 2048])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp16; runs on a CPU (Triton interpreter)")

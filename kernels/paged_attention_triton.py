@@ -11,7 +11,7 @@ left as is.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -103,7 +103,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
-@lru_cache(maxsize=None)
+@cache
 def multiprocessor_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1

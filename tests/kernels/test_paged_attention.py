@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import decode_attention, paged_attention_decode as torch_decode, write_kv, write_kv_torch
+from kernels.attention import decode_attention, write_kv, write_kv_torch
+from kernels.attention import paged_attention_decode as torch_decode
 from tests.kernels.lora_cases import relative_error, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
