@@ -1,6 +1,6 @@
 """Adapters as data: spec parsing, Hub/local resolution, peft validation, weight loading and the registry table."""
 from .errors import AdapterError, AdapterNotFoundError
-from .loader import LoadedAdapter, LoRAModuleWeights, load_adapter
+from .loader import LoadedAdapter, LoRAModuleWeights, check_adapter, load_adapter
 from .model_info import LORA_PROJECTIONS, ModelInfo
 from .registry import AdapterEntry, AdapterRegistry
 from .resolve import resolve_adapter_path
@@ -16,6 +16,7 @@ __all__ = [
     "LoRAModuleWeights",
     "LoadedAdapter",
     "ModelInfo",
+    "check_adapter",
     "load_adapter",
     "parse_lora_adapters",
     "parse_lora_modules",

@@ -10,7 +10,7 @@ from .base_model import check_base_model
 from .errors import AdapterError
 from .model_info import ModelInfo
 from .peft_config import ModulePlan, check_supported, plan_modules, read_adapter_config
-from .weights import group_lora_tensors, read_tensors
+from .weights import group_lora_tensors, read_tensor_headers, read_tensors
 
 
 @dataclass
@@ -58,12 +58,21 @@ def load_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = Fal
     Our projections are nn.Linear, for which peft ignores fan_in_fan_out: A is [r, in] and B is
     [out, r] either way, so the flag needs no transpose here.
     """
-    directory = Path(path)
+    return _validated(Path(path), model, read_tensors, allow_pickle)
+
+
+def check_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = False) -> None:
+    """Every check `load_adapter` makes, from the config and the weight file's header alone: cheap
+    enough to run when a request arrives, so a bad adapter fails that request before any weights are read."""
+    _validated(Path(path), model, read_tensor_headers, allow_pickle)
+
+
+def _validated(directory: Path, model: ModelInfo, read, allow_pickle: bool) -> LoadedAdapter:
     config = read_adapter_config(directory)
     check_supported(config)
-    check_base_model(config, model, str(path))
+    check_base_model(config, model, str(directory))
     plans = plan_modules(config, model)
-    grouped = group_lora_tensors(read_tensors(directory, allow_pickle=allow_pickle))
+    grouped = group_lora_tensors(read(directory, allow_pickle=allow_pickle))
     for module in grouped:
         if module not in plans:
             if module in model.module_shapes:

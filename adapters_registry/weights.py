@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from .errors import AdapterError
@@ -40,6 +40,29 @@ def read_tensors(directory: Path, *, allow_pickle: bool) -> dict[str, torch.Tens
             raise AdapterError(f"{pickle_path} does not hold a dict of tensors.")
         return tensors
     raise AdapterError(f"No {SAFETENSORS_NAME} (or {PICKLE_NAME}) in {directory}.")
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_tensor_headers(directory: Path, *, allow_pickle: bool) -> dict[str, torch.Tensor]:
+    """The weight file's tensors as meta tensors (names, shapes, dtypes, no data), from the safetensors
+    header alone, so an adapter can be checked without reading its weights. A pickle file has no
+    header: it is read whole."""
+    safetensors_path = directory / SAFETENSORS_NAME
+    if not safetensors_path.is_file():
+        return read_tensors(directory, allow_pickle=allow_pickle)
+    try:
+        with safe_open(str(safetensors_path), framework="pt") as weights:
+            slices = {key: weights.get_slice(key) for key in weights.keys()}
+            return {key: torch.empty(tensor.get_shape(), dtype=_SAFETENSORS_DTYPES.get(tensor.get_dtype(), torch.uint8),
+                                     device="meta") for key, tensor in slices.items()}
+    except (SafetensorError, OSError) as exc:
+        raise AdapterError(f"{safetensors_path} is corrupt or truncated: {exc}") from None
 
 
 def _refusal(key: str) -> str:

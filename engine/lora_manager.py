@@ -3,20 +3,22 @@
 A slot holds one adapter's A and B for every projection, zero-padded to `max_lora_rank`, in
 stacked per-module tensors the model's `LoRALinear`s read by slot index. A slot is pinned while a
 running sequence uses it; only unpinned slots are evicted (least recently used first). Host copies
-(pinned memory on CUDA) are kept for up to `max_cpu_loras` adapters; beyond that an adapter is
-read from disk again, on a background thread, when it next needs a slot.
+(in the model dtype, one page-locked buffer per adapter on CUDA) are kept for up to `max_cpu_loras`
+adapters. A request's adapter is only checked when the request arrives (config and weight-file
+header); its weights are read on a background thread when the scheduler first wants it, a few
+adapters ahead at most, and again later if its host copy was evicted.
 """
 from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, replace
 
 import torch
 
-from adapters_registry import LoadedAdapter, ModelInfo, load_adapter
+from adapters_registry import LoadedAdapter, ModelInfo, check_adapter, load_adapter
 
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
@@ -30,6 +32,9 @@ class LoRAResidency:
 
 
 class LoRAManager:
+    READER_THREADS = 2
+    MAX_READS_IN_FLIGHT = 4
+
     def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False,
                  adapter_transform: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
@@ -61,8 +66,9 @@ class LoRAManager:
         # host-to-device slot loads run on a side stream; the next forward waits on their events
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_loads: list[torch.cuda.Event] = []
-        self._reader = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lora-reader")
+        self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
         self._reads: dict[int, Future] = {}
+        self._failed_reads: set[int] = set()
 
     # ---- registration ---------------------------------------------------------------------
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
@@ -71,24 +77,21 @@ class LoRAManager:
         self.removed.discard(lora_request.lora_int_id)
         self.known[lora_request.lora_int_id] = lora_request
         if adapter is not None:
-            self._cache(lora_request.lora_int_id, _pinned(self._transform(adapter), self.device))
+            self._cache(lora_request.lora_int_id, self._host_layout(self._transform(adapter)))
         else:
             self._host_copy(lora_request)
 
     def ensure_loaded(self, lora_requests: Iterable[LoRARequest]) -> None:
-        """Validate adapters before requests for them are queued, so bad ones fail here; those not
-        seen before are read from disk in parallel."""
-        new: dict[int, LoRARequest] = {}
+        """Check adapters before requests for them are queued, so bad ones fail here. Only the config
+        and the weight file's header are read: the weights follow when the scheduler wants them."""
         for lora_request in lora_requests:
             if lora_request.lora_int_id in self.removed:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} has been unloaded")
             if self.known.get(lora_request.lora_int_id) != lora_request:
                 self._check_identity(lora_request)
-                new[lora_request.lora_int_id] = lora_request
-        reads = {int_id: self._reader.submit(self._read, request) for int_id, request in new.items()}
-        for int_id, read in reads.items():
-            self._cache(int_id, read.result())
-            self.known[int_id] = new[int_id]
+                check_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
+                self.host.pop(lora_request.lora_int_id, None)
+                self.known[lora_request.lora_int_id] = lora_request
 
     def remove(self, lora_int_id: int) -> None:
         """Unload: new requests fail now; the slot and host copy go once no running request uses it."""
@@ -107,22 +110,45 @@ class LoRAManager:
                              f"{other.lora_name!r} ({other.lora_path})")
 
     # ---- the scheduler's view (AdapterSlots) ----------------------------------------------
-    def is_ready(self, lora_request: LoRARequest) -> bool:
+    def is_ready(self, lora_request: LoRARequest, pinnable: bool) -> bool:
         """True when the adapter can go into a slot without reading the disk. Otherwise its weights
-        are read on a background thread, and the scheduler serves other requests meanwhile."""
+        are read on a background thread, and the scheduler serves other requests meanwhile: ahead of
+        time while the host cache has room, else only when a slot is free for it (`pinnable`)."""
         int_id = lora_request.lora_int_id
         if int_id in self.slot_owner or int_id in self.host:
             return True
-        future = self._reads.get(int_id)
-        if future is None:
+        self._collect_reads()
+        if int_id in self.host or int_id in self._failed_reads:
+            self._failed_reads.discard(int_id)  # a failed read is retried, and raises, when the slot loads
+            return True
+        if int_id not in self._reads and self._may_read(pinnable):
             self._reads[int_id] = self._reader.submit(self._read, lora_request)
+        return False
+
+    def _may_read(self, pinnable: bool) -> bool:
+        """Reads in flight stay within the slots they could fill (or the host cache's free room), so
+        an adapter read early is not evicted by the next one before it gets its slot."""
+        if len(self._reads) >= self.MAX_READS_IN_FLIGHT:
             return False
-        if not future.done():
-            return False
-        del self._reads[int_id]
-        if future.exception() is None:  # a failed read is retried, and raises, when the slot loads
-            self._cache(int_id, future.result())
-        return True
+        if len(self.host) + len(self._reads) < self.max_cpu_loras:
+            return True
+        free_slots = sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+        return pinnable and len(self._reads) < free_slots
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a background read finishes (or the timeout): for a step that has nothing to
+        run but adapters on their way, rather than spinning against the reader threads."""
+        if self._reads:
+            wait(list(self._reads.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def _collect_reads(self) -> None:
+        for int_id, future in list(self._reads.items()):
+            if future.done():
+                del self._reads[int_id]
+                if future.exception() is None:
+                    self._cache(int_id, future.result())
+                else:
+                    self._failed_reads.add(int_id)
 
     def can_pin(self, lora_request: LoRARequest) -> bool:
         if lora_request.lora_int_id in self.slot_owner:
@@ -183,9 +209,23 @@ class LoRAManager:
         return adapter
 
     def _read(self, lora_request: LoRARequest) -> LoadedAdapter:
-        """Disk to host: validate, load, shard (tensor parallelism) and page-lock one adapter."""
+        """Disk to host: validate, load, shard (tensor parallelism) and lay out one adapter."""
         adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
-        return _pinned(self._transform(adapter), self.device)
+        return self._host_layout(self._transform(adapter))
+
+    def _host_layout(self, adapter: LoadedAdapter) -> LoadedAdapter:
+        """All of an adapter's A and B as views of one buffer in the slot dtype (page-locked on CUDA):
+        half the host memory of float32 and one pinned allocation, so slot loads are plain async copies.
+        The slots hold this dtype anyway, so the rounding is the one a slot load would do."""
+        tensors = [t for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)]
+        flat = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype,
+                           pin_memory=self.device.type == "cuda")
+        views = flat.split([t.numel() for t in tensors])
+        for view, t in zip(views, tensors):
+            view.copy_(t.reshape(-1))
+        shaped = iter(view.view(t.shape) for view, t in zip(views, tensors))
+        modules = {name: replace(w, lora_a=next(shaped), lora_b=next(shaped)) for name, w in adapter.modules.items()}
+        return replace(adapter, modules=modules, nbytes=flat.nbytes)
 
     def _cache(self, int_id: int, adapter: LoadedAdapter) -> None:
         self.host[int_id] = adapter
@@ -237,8 +277,9 @@ class LoRAManager:
                     b.zero_()
                     continue
                 r = weights.rank
-                a[r:].zero_()
-                b[:, r:].zero_()
+                if r < self.max_lora_rank:
+                    a[r:].zero_()
+                    b[:, r:].zero_()
                 a[:r].copy_(weights.lora_a, non_blocking=True)
                 b[:, :r].copy_(weights.lora_b, non_blocking=True)
 
@@ -247,12 +288,3 @@ class LoRAManager:
             self.slot_owner[self.slot_owner.index(int_id)] = None
         self.host.pop(int_id, None)
 
-
-def _pinned(adapter: LoadedAdapter, device: torch.device) -> LoadedAdapter:
-    """Page-lock host copies on CUDA so slot loads are asynchronous copies."""
-    if device.type != "cuda":
-        return adapter
-    for weights in adapter.modules.values():
-        weights.lora_a = weights.lora_a.pin_memory()
-        weights.lora_b = weights.lora_b.pin_memory()
-    return adapter

@@ -131,7 +131,8 @@ def test_unload_lets_running_requests_finish_then_frees_everything(tiny_llama, a
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
     engine, lora = llm.engine, adapters[2]
     request_id = engine.add_request(PROMPTS[0], PARAMS, lora)
-    engine.step()
+    while not engine.scheduler.running:  # its weights are read in the background first
+        engine.step()
     engine.lora_manager.remove(lora.lora_int_id)
     assert engine.lora_manager.status()[lora.lora_int_id].running == 1
     (output,) = run_to_completion(engine).values()
@@ -246,3 +247,41 @@ def test_a_bad_adapter_in_a_batch_fails_before_anything_runs(tiny_llama, adapter
         llm.generate(PROMPTS[:3], PARAMS, lora_request=loras, use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     assert 42 not in llm.engine.lora_manager.status()
+
+
+def _count_reads(monkeypatch) -> list[str]:
+    """Paths the LoRA manager reads adapter weights from, in order."""
+    import engine.lora_manager as lora_manager
+
+    reads, read = [], lora_manager.load_adapter
+
+    def counting_read(path, *args, **kwargs):
+        reads.append(path)
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(lora_manager, "load_adapter", counting_read)
+    return reads
+
+
+def test_a_request_is_queued_after_checking_its_adapter_without_reading_the_weights(tiny_llama, adapters, reference,
+                                                                                     monkeypatch):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16)
+    reads = _count_reads(monkeypatch)
+    request_id = llm.engine.add_request(PROMPTS[0], PARAMS, adapters[2])
+    assert reads == []
+    (output,) = run_to_completion(llm.engine).values()
+    assert reads == [adapters[2].lora_path]
+    assert output.request_id == request_id
+    assert output.outputs[0].token_ids == reference[(PROMPTS[0], adapters[2].lora_name)][0]
+
+
+def test_reading_ahead_never_evicts_an_adapter_before_it_runs(tiny_llama, adapters, reference, monkeypatch):
+    """One slot and one host copy, four adapters queued: each adapter's weights are read exactly once."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16)
+    reads = _count_reads(monkeypatch)
+    ids = {llm.engine.add_request(PROMPTS[i], PARAMS, lora): (PROMPTS[i], lora.lora_name)
+           for i, lora in enumerate(adapters[:4])}
+    finished = run_to_completion(llm.engine)
+    assert sorted(reads) == sorted(lora.lora_path for lora in adapters[:4])
+    for request_id, key in ids.items():
+        assert finished[request_id].outputs[0].token_ids == reference[key][0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from adapters_registry import AdapterError, load_adapter
+from adapters_registry import AdapterError, check_adapter, load_adapter
 from tests.tiny_models import make_tiny_model
 
 WEIGHTS = "adapter_model.safetensors"
@@ -20,13 +20,22 @@ def rewrite_weights(adapter, edit):
 
 
 def refusal(adapter, model_info, **kwargs) -> str:
-    with pytest.raises(AdapterError) as exc:
-        load_adapter(adapter, model_info, **kwargs)
-    return str(exc.value)
+    """load_adapter's message; check_adapter, reading only the header, must refuse with the same one."""
+    messages = []
+    for read in (load_adapter, check_adapter):
+        with pytest.raises(AdapterError) as exc:
+            read(adapter, model_info, **kwargs)
+        messages.append(str(exc.value))
+    assert messages[0] == messages[1]
+    return messages[0]
 
 
 def test_good_adapter_loads(good_adapter, model_info):
     assert load_adapter(good_adapter, model_info).rank == 8
+
+
+def test_good_adapter_passes_the_header_check(good_adapter, model_info):
+    assert check_adapter(good_adapter, model_info) is None
 
 
 def test_missing_config_is_refused(adapter_copy, model_info):
