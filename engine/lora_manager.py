@@ -32,8 +32,8 @@ class LoRAResidency:
 
 
 class LoRAManager:
-    READER_THREADS = 2
-    MAX_READS_IN_FLIGHT = 4
+    READER_THREADS = 4
+    MAX_READS_IN_FLIGHT = 8
 
     def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False,
