@@ -1,13 +1,18 @@
 """Host (Python) time of one engine decode step: what the device waits on between forwards.
 
-    python -m benchmarks.host_overhead [--device cpu|cuda] [--batches 64 256] [--steps 50] [--out FILE]
+    python -m benchmarks.host_overhead [--device cpu|cuda] [--shape tiny|llama3-8b] [--batches 64 256]
+                                       [--steps 50] [--no-profile] [--out FILE]
 
-Builds an engine on a tiny random Llama (tests.tiny_models), with and without LoRA (64 slots, 64
-random peft adapters, request i on adapter i % 64), adds `batch` greedy requests (ignore_eos,
-fixed lengths), steps until every sequence decodes, then times --steps decode steps. The model's
+Builds an engine on a tiny random Llama (tests.tiny_models; or Llama-3-8B's shapes with random
+weights, for a GPU), with and without LoRA (64 slots, 64 random peft adapters, request i on
+adapter i % 64), adds `batch` greedy requests (ignore_eos, fixed lengths), steps until every
+sequence decodes, then times --steps decode steps. The model's
 forward, CUDA-graph replays and compute_logits are timed apart (perf_counter on the CPU, CUDA
-events on a GPU); host time is the step's wall time minus theirs. A second, profiled run prints
-the top functions by own time, counting only calls made outside the model.
+events on a GPU); host time is the step's wall time minus theirs (all medians over the steps).
+Exposed time is the host work before the step's first model call plus that after its sampling
+returned: the device idles through it however long the forward takes (the rest of the host work
+can run while a big enough model computes). A second, profiled run prints the top functions by
+own time, counting only calls made outside the model.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import pstats
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +32,6 @@ import torch
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from tests.tiny_models import make_peft_adapter, make_tiny_model
 
-PROMPT_LEN = 8
 NUM_ADAPTERS = 64
 MAX_MODEL_LEN = 8192  # Llama-3-8B's: sets the width of the CUDA graphs' block tables
 # code whose own time is the model's forward (or the replay of one), not the engine's host work
@@ -43,95 +47,160 @@ class Measurement:
     wall_ms: float  # median decode step
     model_ms: float  # median per step inside the forward / graph replay and compute_logits
     host_ms: float  # median of each step's wall time less its model time
+    # median of (step start -> first model call) + (sampler's return -> step end): host work that
+    # a device idles through whatever the model's size (the rest can overlap a long enough forward)
+    exposed_ms: float
 
 
-class ModelTimer:
-    """Time inside wrapped model calls, per step: wall on the CPU, device time (CUDA events) on a GPU."""
+@dataclass
+class StepTimes:
+    start: float
+    model: list = field(default_factory=list)  # seconds (CPU) or (start, end) CUDA event pairs
+    first_model_call: float | None = None
+    sampled: float | None = None  # when the last sampling call returned
+    end: float | None = None
+
+
+class StepTimer:
+    """Per step: time inside wrapped model calls (wall on the CPU, CUDA events on a GPU), and when the
+    first model call began and the sampler returned."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self._steps: list[list] = []  # per step: seconds (CPU) or (start, end) event pairs (CUDA)
+        self.steps: list[StepTimes] = []
 
-    def wrap(self, fn: Callable) -> Callable:
+    def wrap_model(self, fn: Callable) -> Callable:
         def timed(*args, **kwargs):
-            if not self._steps:
+            if not self.steps:
                 return fn(*args, **kwargs)
+            step = self.steps[-1]
+            now = time.perf_counter()
+            if step.first_model_call is None:
+                step.first_model_call = now
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 out = fn(*args, **kwargs)
                 end.record()
-                self._steps[-1].append((start, end))
+                step.model.append((start, end))
                 return out
-            start = time.perf_counter()
             out = fn(*args, **kwargs)
-            self._steps[-1].append(time.perf_counter() - start)
+            step.model.append(time.perf_counter() - now)
             return out
         return timed
 
-    def begin_step(self) -> None:
-        self._steps.append([])
+    def wrap_sampling(self, fn: Callable) -> Callable:
+        def stamped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            if self.steps:
+                self.steps[-1].sampled = time.perf_counter()
+            return out
+        return stamped
 
-    def per_step(self) -> list[float]:
-        """Seconds inside the wrapped calls, per step since the first begin_step (synchronizes a GPU)."""
+    def begin_step(self) -> None:
+        self.steps.append(StepTimes(start=time.perf_counter()))
+
+    def end_step(self) -> None:
+        self.steps[-1].end = time.perf_counter()
+
+    def measurement(self, device: str, batch: int, lora: bool) -> Measurement:
+        """Medians over the steps, so that a step slowed by another process on the machine does not count."""
         if self.cuda:
             torch.cuda.synchronize()
-            return [sum(s.elapsed_time(e) for s, e in step) / 1e3 for step in self._steps]
-        return [sum(step) for step in self._steps]
+            models = [sum(s.elapsed_time(e) for s, e in step.model) / 1e3 for step in self.steps]
+        else:
+            models = [sum(step.model) for step in self.steps]
+        walls = [step.end - step.start for step in self.steps]
+        exposed = [(step.first_model_call - step.start) + (step.end - step.sampled) for step in self.steps]
+        return Measurement(device=device, batch=batch, lora=lora, steps=len(self.steps), wall_ms=_median_ms(walls),
+                           model_ms=_median_ms(models), host_ms=_median_ms(w - m for w, m in zip(walls, models)),
+                           exposed_ms=_median_ms(exposed))
+
+
+def _median_ms(seconds) -> float:
+    return statistics.median(seconds) * 1e3
 
 
 class _TimedGraph:
-    def __init__(self, graph, timer: ModelTimer):
-        self.replay = timer.wrap(graph.replay)
+    def __init__(self, graph, timer: StepTimer):
+        self.replay = timer.wrap_model(graph.replay)
 
 
-def instrument(engine: LLMEngine) -> ModelTimer:
-    """Routes the model's forward, compute_logits and graph replays through one timer."""
-    timer = ModelTimer(engine.device)
-    engine.model.forward = timer.wrap(engine.model.forward)
-    engine.model.compute_logits = timer.wrap(engine.model.compute_logits)
+class _StampedSampler:
+    """The engine's sampler, noting when each of its public methods returns (its .tolist() waited for
+    the device)."""
+
+    def __init__(self, sampler, timer: StepTimer):
+        self._sampler, self._timer = sampler, timer
+
+    def __call__(self, *args, **kwargs):
+        return self._timer.wrap_sampling(self._sampler)(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._sampler, name)
+        return self._timer.wrap_sampling(attr) if callable(attr) and not name.startswith("_") else attr
+
+
+def instrument(engine: LLMEngine) -> StepTimer:
+    """Routes the model's forward, compute_logits, graph replays and the sampler through one timer."""
+    timer = StepTimer(engine.device)
+    engine.model.forward = timer.wrap_model(engine.model.forward)
+    engine.model.compute_logits = timer.wrap_model(engine.model.compute_logits)
     graphs = engine.runner.graphs
     if graphs is not None:
         graphs.graphs = {size: _TimedGraph(graph, timer) for size, graph in graphs.graphs.items()}
+    engine.sampler = _StampedSampler(engine.sampler, timer)
     return timer
 
 
-def build_engine(model_dir: Path, device: str, batch: int, lora: bool, steps: int) -> LLMEngine:
-    lora_args = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS, max_lora_rank=8) \
-        if lora else {}
-    blocks_per_seq = -(-(PROMPT_LEN + 2 * steps + 8) // 16)
-    return LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype="float32", max_num_seqs=batch,
-                                  max_model_len=MAX_MODEL_LEN, num_kv_blocks=batch * blocks_per_seq, **lora_args))
+@dataclass
+class Setup:
+    """The model and adapters on disk, and how the engine runs them."""
+
+    model_dir: Path
+    adapters: list[Path]
+    device: str
+    dtype: str
+    load_format: str
+    max_lora_rank: int
+    prompt_len: int
 
 
-def add_requests(engine: LLMEngine, batch: int, adapters: list[Path] | None, max_tokens: int) -> None:
+def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
+    lora_args = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS,
+                     max_lora_rank=setup.max_lora_rank) if lora else {}
+    blocks_per_seq = -(-(setup.prompt_len + 2 * steps + 8) // 16)
+    return LLMEngine(EngineConfig(model=str(setup.model_dir), device=setup.device, dtype=setup.dtype,
+                                  load_format=setup.load_format, max_num_seqs=batch, max_model_len=MAX_MODEL_LEN,
+                                  num_kv_blocks=batch * blocks_per_seq, **lora_args))
+
+
+def add_requests(engine: LLMEngine, batch: int, adapters: list[Path] | None, prompt_len: int, max_tokens: int) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     vocab = engine.hf_config.vocab_size
     for i in range(batch):
-        prompt = [(i * 7 + j * 13) % vocab for j in range(PROMPT_LEN)]
+        prompt = [(i * 7 + j * 13) % vocab for j in range(prompt_len)]
         lora = LoRARequest(f"adapter{i % NUM_ADAPTERS}", i % NUM_ADAPTERS + 1, str(adapters[i % NUM_ADAPTERS])) \
             if adapters else None
         engine.add_request(prompt, params, lora)
 
 
-def run_steps(engine: LLMEngine, steps: int, timer: ModelTimer | None = None) -> list[float]:
-    """Wall seconds of each of `steps` steps (a GPU is synchronized after each)."""
-    walls = []
+def run_steps(engine: LLMEngine, steps: int, timer: StepTimer | None = None) -> None:
+    """`steps` engine steps; a GPU is synchronized after each (the step's sampling already waited for it)."""
     for _ in range(steps):
         if timer is not None:
             timer.begin_step()
-        start = time.perf_counter()
         engine.step()
         if engine.device.type == "cuda":
             torch.cuda.synchronize()
-        walls.append(time.perf_counter() - start)
-    return walls
+        if timer is not None:
+            timer.end_step()
 
 
-def prepare(model_dir: Path, device: str, batch: int, adapters: list[Path] | None, steps: int) -> LLMEngine:
+def prepare(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
     """An engine whose whole batch has finished prefill, warmed up by a few decode steps."""
-    engine = build_engine(model_dir, device, batch, adapters is not None, steps)
-    add_requests(engine, batch, adapters, max_tokens=2 * steps + 8)
+    engine = build_engine(setup, batch, lora, steps)
+    add_requests(engine, batch, setup.adapters if lora else None, setup.prompt_len, max_tokens=2 * steps + 8)
     while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) \
             or engine.scheduler.waiting:
         engine.step()
@@ -139,15 +208,11 @@ def prepare(model_dir: Path, device: str, batch: int, adapters: list[Path] | Non
     return engine
 
 
-def measure(model_dir: Path, device: str, batch: int, adapters: list[Path] | None, steps: int) -> Measurement:
-    """Medians over the steps, so that a step slowed by another process on the machine does not count."""
-    engine = prepare(model_dir, device, batch, adapters, steps)
+def measure(setup: Setup, batch: int, lora: bool, steps: int) -> Measurement:
+    engine = prepare(setup, batch, lora, steps)
     timer = instrument(engine)
-    walls = run_steps(engine, steps, timer)
-    models = timer.per_step()
-    return Measurement(device=str(engine.device), batch=batch, lora=adapters is not None, steps=steps,
-                       wall_ms=statistics.median(walls) * 1e3, model_ms=statistics.median(models) * 1e3,
-                       host_ms=statistics.median(w - m for w, m in zip(walls, models)) * 1e3)
+    run_steps(engine, steps, timer)
+    return timer.measurement(str(engine.device), batch, lora)
 
 
 def model_functions(stats: dict) -> set:
@@ -161,10 +226,9 @@ def model_functions(stats: dict) -> set:
         model |= more
 
 
-def host_profile(model_dir: Path, device: str, batch: int, adapters: list[Path] | None, steps: int,
-                 top: int = 25) -> list[dict]:
+def host_profile(setup: Setup, batch: int, lora: bool, steps: int, top: int = 25) -> list[dict]:
     """Per function: own time (ms per step) and calls per step, from callers outside the model."""
-    engine = prepare(model_dir, device, batch, adapters, steps)
+    engine = prepare(setup, batch, lora, steps)
     profiler = cProfile.Profile()
     profiler.runcall(run_steps, engine, steps)
     stats = pstats.Stats(profiler).stats
@@ -182,13 +246,29 @@ def host_profile(model_dir: Path, device: str, batch: int, adapters: list[Path] 
     return rows[:top]
 
 
-def make_adapters(model_dir: Path, workdir: Path) -> list[Path]:
-    return [make_peft_adapter(model_dir, workdir / f"adapter{i}", seed=i) for i in range(NUM_ADAPTERS)]
+def tiny_setup(workdir: Path, device: str) -> Setup:
+    """A 2-layer random Llama, and 64 random peft adapters of rank 8 on every projection."""
+    model_dir = make_tiny_model(workdir / "model", max_position_embeddings=MAX_MODEL_LEN)
+    adapters = [make_peft_adapter(model_dir, workdir / f"adapter{i}", seed=i) for i in range(NUM_ADAPTERS)]
+    return Setup(model_dir, adapters, device, dtype="float32", load_format="auto", max_lora_rank=8, prompt_len=8)
+
+
+def llama3_8b_setup(workdir: Path, device: str, prompt_len: int) -> Setup:
+    """Llama-3-8B's shapes with random weights in bfloat16, and 64 adapters of rank 16 (serving.py's)."""
+    from benchmarks import serving
+
+    model_dir = serving.make_model_dir(workdir, "llama3-8b")
+    adapters = serving.make_adapters(workdir / "adapters", model_dir, "llama3-8b", NUM_ADAPTERS, unique=4)
+    return Setup(model_dir, adapters, device, dtype="bfloat16", load_format="dummy", max_lora_rank=16,
+                 prompt_len=prompt_len)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny",
+                        help="llama3-8b: real shapes, random bf16 weights (for a GPU)")
+    parser.add_argument("--prompt-len", type=int, default=512, help="llama3-8b only (tiny: 8 tokens)")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile breakdown")
@@ -198,23 +278,24 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        model_dir = make_tiny_model(workdir / "model", max_position_embeddings=MAX_MODEL_LEN)
-        lora_adapters = make_adapters(model_dir, workdir)
+        setup = tiny_setup(workdir, args.device) if args.shape == "tiny" else \
+            llama3_8b_setup(workdir, args.device, args.prompt_len)
         results, profiles = [], {}
         for batch in args.batches:
-            for adapters in (None, lora_adapters):
-                m = measure(model_dir, args.device, batch, adapters, args.steps)
+            for lora in (False, True):
+                m = measure(setup, batch, lora, args.steps)
                 results.append(m)
                 print(f"{m.device} batch {m.batch:4d} lora {m.lora!s:5}: wall {m.wall_ms:7.3f} ms/step, "
-                      f"model {m.model_ms:7.3f}, host {m.host_ms:7.3f}", flush=True)
+                      f"model {m.model_ms:7.3f}, host {m.host_ms:7.3f}, exposed {m.exposed_ms:7.3f}", flush=True)
                 if not args.no_profile:
-                    key = f"batch{batch}_{'lora' if adapters else 'base'}"
-                    profiles[key] = host_profile(model_dir, args.device, batch, adapters, args.steps)
+                    key = f"batch{batch}_{'lora' if lora else 'base'}"
+                    profiles[key] = host_profile(setup, batch, lora, args.steps)
                     print(f"  host functions by own time ({key}), ms/step:")
                     for row in profiles[key]:
                         print(f"    {row['tottime_ms_per_step']:7.3f}  {row['calls_per_step']:8.1f}  {row['function']}")
     if args.out:
-        args.out.write_text(json.dumps({"results": [asdict(m) for m in results], "profiles": profiles}, indent=1))
+        args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
+                                        "results": [asdict(m) for m in results], "profiles": profiles}, indent=1))
 
 
 if __name__ == "__main__":

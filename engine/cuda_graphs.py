@@ -31,19 +31,18 @@ class DecodeGraphs:
         self.num_lora_slots = num_lora_slots
         self.buckets = default_buckets(max_num_seqs)
         top = self.buckets[-1]
-        self.input_ids = torch.zeros(top, dtype=torch.long, device=device)
-        self.positions = torch.zeros(top, dtype=torch.long, device=device)
-        self.slot_mapping = torch.full((top,), scratch_block * block_size, dtype=torch.long, device=device)
+        # one row per per-token input (token id, position, KV slot, context length, adapter slot), all
+        # copied in one transfer; a padding row's values
+        self._padding_row = np.array([0, 0, scratch_block * block_size, 1, -1], dtype=np.int64)[:, None]
+        rows = torch.from_numpy(self._padding_row).expand(5, top).contiguous()
+        self._device_rows = rows.to(device)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots = self._device_rows
         self.block_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
-        self.context_lens = torch.ones(top, dtype=torch.long, device=device)
-        self.lora_slots = torch.full((top,), -1, dtype=torch.long, device=device)
-        self._device_rows = (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots)
         # page-locked staging, reused every step, so the host-to-device copies are asynchronous; numpy
         # views write Python lists into it without building tensors
-        self._host_rows = torch.zeros((5, top), dtype=torch.long).pin_memory()
+        self._host_rows = rows.pin_memory()
         self._host_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long).pin_memory()
         self._rows, self._tables = self._host_rows.numpy(), self._host_tables.numpy()
-        self._padding_row = np.array([0, 0, scratch_block * block_size, 1, -1])[:, None]
         self._staged_tables: list[list[int]] = [[] for _ in range(top)]  # what each row of _tables holds
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -98,8 +97,7 @@ class DecodeGraphs:
         rows[3, :batch] = position + 1
         rows[4, :batch] = lora_slots
         rows[:, batch:size] = self._padding_row
-        for target, source in zip(self._device_rows, self._host_rows[:, :size]):
-            target[:size].copy_(source, non_blocking=True)
+        self._device_rows.copy_(self._host_rows, non_blocking=True)  # a graph reads only its bucket's columns
         self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:batch]

@@ -41,19 +41,28 @@ class ModelRunner:
         bs = self.block_size
         for item, lora_slot in zip(scheduled, adapter_slots):
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
-            input_ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
             table = seq.block_table
-            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            token_slots.extend([lora_slot] * n)
+            if n == 1:  # a decode: no ranges to build
+                input_ids.append(seq.token_ids[start])
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+                token_slots.append(lora_slot)
+            else:
+                input_ids.extend(seq.token_ids[start:start + n])
+                positions.extend(range(start, start + n))
+                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+                token_slots.extend([lora_slot] * n)
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(table)
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
+        # the per-token inputs travel as one tensor (one copy to a GPU), used row by row
+        ids, pos, slots, lora_slots = torch.tensor([input_ids, positions, slot_mapping, token_slots],
+                                                   dtype=torch.long, device=dev)
         attention = AttentionMetadata(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=dev),
+            slot_mapping=slots,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
             query_lens=query_lens,
@@ -62,14 +71,8 @@ class ModelRunner:
         )
         lora = None
         if any(s >= 0 for s in adapter_slots):
-            slots = torch.tensor(token_slots, dtype=torch.long, device=dev)
-            lora = kernels.prepare_lora_metadata(slots, self.num_lora_slots)
-        return StepInput(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
-            attention=attention,
-            lora=lora,
-        )
+            lora = kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots)
+        return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
         from .cuda_graphs import DecodeGraphs

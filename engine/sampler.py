@@ -84,7 +84,9 @@ class Sampler:
     def greedy(self, logits: torch.Tensor) -> list[SampledToken]:
         """What __call__ returns when every row is_plain_greedy, without looking at the rows."""
         raw = logits[:, : self.vocab_size].float()
-        return _chosen(raw, raw.argmax(dim=-1))
+        values, token_ids = raw.max(dim=-1)  # the first maximum, as argmax takes; its value, as gather reads
+        logprobs = values - torch.logsumexp(raw, dim=-1)
+        return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
@@ -190,8 +192,9 @@ class Sampler:
     # -- reporting -----------------------------------------------------------------------
 
     def _report(self, raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        result = _chosen(raw, token_ids)
-        ids = [token.token_id for token in result]
+        chosen = raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
+        ids, logprobs = token_ids.tolist(), chosen.tolist()
+        result = [SampledToken(token_id, lp) for token_id, lp in zip(ids, logprobs)]
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if wanted:
             num_top = max(rows[i].params.logprobs for i in wanted)
@@ -210,12 +213,6 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     logit_bias, min_tokens masking, penalty or top logprobs apply (then Sampler.greedy serves it)."""
     return (params.is_greedy and not params.logit_bias and params.logprobs is None
             and num_output_tokens >= params.min_tokens and not _has_penalty(params))
-
-
-def _chosen(raw: torch.Tensor, token_ids: torch.Tensor) -> list[SampledToken]:
-    """Each row's chosen token with its logprob under the raw logits."""
-    logprobs = raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
-    return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 
 
 def _has_penalty(params: SamplingParams) -> bool:

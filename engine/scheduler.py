@@ -19,7 +19,7 @@ from .sequence import Sequence, SequenceStatus
 
 
 class AdapterSlots(Protocol):
-    def is_ready(self, lora_request: LoRARequest) -> bool: ...
+    def is_ready(self, lora_request: LoRARequest, pinnable: bool) -> bool: ...
     def can_pin(self, lora_request: LoRARequest) -> bool: ...
     def drain_candidate(self) -> int | None: ...
     def pin(self, lora_request: LoRARequest) -> None: ...
@@ -103,22 +103,28 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
             needed = self._blocks_needed(seq, num_new)
-            while needed > self.allocator.num_free:
-                victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
-                self._preempt(victim, output)
-                if victim is seq:
-                    break
-            if seq.status is not SequenceStatus.RUNNING:
-                continue
-            self._grow(seq, needed)
+            if needed:  # most decode steps need no new block
+                if not self._make_room(seq, needed, scheduled_ids, output):
+                    continue
+                self._grow(seq, needed)
             output.scheduled.append(ScheduledSequence(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         if not output.preempted:
             self._admit(output, budget)
         return output
+
+    def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
+        """Preempts the newest running sequences not yet scheduled until `needed` blocks are free; False
+        when that took `seq` itself."""
+        while needed > self.allocator.num_free:
+            victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
+            self._preempt(victim, output)
+            if victim is seq:
+                return False
+        return True
 
     def _admit(self, output: SchedulerOutput, budget: int) -> None:
         slots = self.adapter_slots
@@ -127,15 +133,15 @@ class Scheduler:
                 return
             lora = seq.request.lora_request if slots is not None else None
             if lora is not None:
-                if not slots.is_ready(lora):
-                    continue  # its weights are being read from disk; others go first meanwhile
-                if not slots.can_pin(lora):
+                pinnable = slots.can_pin(lora)
+                ready = slots.is_ready(lora, pinnable)
+                if not pinnable:
                     seq.skipped_steps += 1
                     if seq.skipped_steps > self.max_skips and self.draining is None:
                         self.draining = slots.drain_candidate()
                     continue
-                if lora.lora_int_id == self.draining:
-                    continue
+                if not ready or lora.lora_int_id == self.draining:
+                    continue  # not ready: its weights are being read from disk; others go first meanwhile
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(seq, num_new)
             if needed > self.allocator.num_free:

@@ -29,7 +29,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(seq.status is SequenceStatus.FINISHED for seq in self.sequences)
+        for seq in self.sequences:  # a loop: asked of every request every step, it beats all() of a generator
+            if seq.status is not SequenceStatus.FINISHED:
+                return False
+        return True
 
     @property
     def lora_int_id(self) -> int:
