@@ -1,7 +1,7 @@
 """Host (Python) time of one engine decode step: what the device waits on between forwards.
 
-    python -m benchmarks.host_overhead [--device cpu|cuda] [--shape tiny|llama3-8b] [--batches 64 256]
-                                       [--steps 50] [--no-profile] [--out FILE]
+    python -m benchmarks.host_overhead [--device cpu|cuda] [--shape tiny|llama3-8b] [--max-model-len 8192]
+                                       [--batches 64 256] [--steps 50] [--no-profile] [--out FILE]
 
 Builds an engine on a tiny random Llama (tests.tiny_models; or Llama-3-8B's shapes with random
 weights, for a GPU), with and without LoRA (64 slots, 64 random peft adapters, request i on
@@ -33,7 +33,7 @@ from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from tests.tiny_models import make_peft_adapter, make_tiny_model
 
 NUM_ADAPTERS = 64
-MAX_MODEL_LEN = 8192  # Llama-3-8B's: sets the width of the CUDA graphs' block tables
+MAX_POSITIONS = 8192  # Llama-3-8B's
 # code whose own time is the model's forward (or the replay of one), not the engine's host work
 MODEL_FILES = ("engine/model.py", "kernels/", "torch/nn/", "torch/cuda/graphs.py")
 
@@ -164,6 +164,7 @@ class Setup:
     load_format: str
     max_lora_rank: int
     prompt_len: int
+    max_model_len: int = MAX_POSITIONS  # sets the width of the CUDA graphs' block tables
 
 
 def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
@@ -171,7 +172,7 @@ def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
                      max_lora_rank=setup.max_lora_rank) if lora else {}
     blocks_per_seq = -(-(setup.prompt_len + 2 * steps + 8) // 16)
     return LLMEngine(EngineConfig(model=str(setup.model_dir), device=setup.device, dtype=setup.dtype,
-                                  load_format=setup.load_format, max_num_seqs=batch, max_model_len=MAX_MODEL_LEN,
+                                  load_format=setup.load_format, max_num_seqs=batch, max_model_len=setup.max_model_len,
                                   num_kv_blocks=batch * blocks_per_seq, **lora_args))
 
 
@@ -248,7 +249,7 @@ def host_profile(setup: Setup, batch: int, lora: bool, steps: int, top: int = 25
 
 def tiny_setup(workdir: Path, device: str) -> Setup:
     """A 2-layer random Llama, and 64 random peft adapters of rank 8 on every projection."""
-    model_dir = make_tiny_model(workdir / "model", max_position_embeddings=MAX_MODEL_LEN)
+    model_dir = make_tiny_model(workdir / "model", max_position_embeddings=MAX_POSITIONS)
     adapters = [make_peft_adapter(model_dir, workdir / f"adapter{i}", seed=i) for i in range(NUM_ADAPTERS)]
     return Setup(model_dir, adapters, device, dtype="float32", load_format="auto", max_lora_rank=8, prompt_len=8)
 
@@ -269,6 +270,7 @@ def main() -> None:
     parser.add_argument("--shape", choices=["tiny", "llama3-8b"], default="tiny",
                         help="llama3-8b: real shapes, random bf16 weights (for a GPU)")
     parser.add_argument("--prompt-len", type=int, default=512, help="llama3-8b only (tiny: 8 tokens)")
+    parser.add_argument("--max-model-len", type=int, default=MAX_POSITIONS)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile breakdown")
@@ -280,6 +282,7 @@ def main() -> None:
         workdir = Path(tmp)
         setup = tiny_setup(workdir, args.device) if args.shape == "tiny" else \
             llama3_8b_setup(workdir, args.device, args.prompt_len)
+        setup.max_model_len = args.max_model_len
         results, profiles = [], {}
         for batch in args.batches:
             for lora in (False, True):
