@@ -21,6 +21,30 @@ def default_buckets(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes})
 
 
+class StagedBlockTables:
+    """Block tables padded with a fill block, kept in a host array across steps: a step rewrites only
+    the rows whose table changed (a sequence's table grows one block every block_size tokens), not
+    max_blocks_per_seq entries of every row."""
+
+    def __init__(self, array: np.ndarray, fill: int):
+        self.array = array  # [rows, max_blocks_per_seq], all `fill` to begin with
+        self.fill = fill
+        self._rows: list[list[int]] = [[] for _ in range(array.shape[0])]  # what each row holds
+
+    def stage(self, block_tables: list[list[int]], size: int) -> None:
+        """Row i holds block_tables[i] then the fill block; rows up to `size` past them, only the fill."""
+        staged, array = self._rows, self.array
+        for row, table in enumerate(block_tables):
+            if staged[row] != table:
+                array[row, :len(table)] = table
+                array[row, len(table):len(staged[row])] = self.fill
+                staged[row] = list(table)  # a copy: the scheduler grows and clears tables in place
+        for row in range(len(block_tables), size):
+            if staged[row]:
+                array[row, :len(staged[row])] = self.fill
+                staged[row] = []
+
+
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches, *, max_num_seqs: int, max_blocks_per_seq: int,
                  scratch_block: int, block_size: int, num_lora_slots: int, device: torch.device):
@@ -42,8 +66,8 @@ class DecodeGraphs:
         # views write Python lists into it without building tensors
         self._host_rows = rows.pin_memory()
         self._host_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long).pin_memory()
-        self._rows, self._tables = self._host_rows.numpy(), self._host_tables.numpy()
-        self._staged_tables: list[list[int]] = [[] for _ in range(top)]  # what each row of _tables holds
+        self._rows = self._host_rows.numpy()
+        self._tables = StagedBlockTables(self._host_tables.numpy(), scratch_block)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.lora_meta: dict[int, object] = {}
@@ -88,12 +112,12 @@ class DecodeGraphs:
         """Hidden states [B, hidden] of one decode token per sequence."""
         batch = len(input_ids)
         size = next(b for b in self.buckets if b >= batch)
-        self._stage_tables(block_tables, size)
+        self._tables.stage(block_tables, size)
         rows, bs = self._rows, self.block_size
         rows[0, :batch] = input_ids
         rows[1, :batch] = positions
         position = rows[1, :batch]
-        rows[2, :batch] = self._tables[np.arange(batch), position // bs] * bs + position % bs
+        rows[2, :batch] = self._tables.array[np.arange(batch), position // bs] * bs + position % bs
         rows[3, :batch] = position + 1
         rows[4, :batch] = lora_slots
         rows[:, batch:size] = self._padding_row
@@ -101,17 +125,3 @@ class DecodeGraphs:
         self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         self.graphs[size].replay()
         return self.outputs[size][:batch]
-
-    def _stage_tables(self, block_tables: list[list[int]], size: int) -> None:
-        """Rewrites only the staged block-table rows that changed (a sequence's table grows a block
-        every block_size tokens); the rest of each row, and the padding rows, hold the scratch block."""
-        staged, tables = self._staged_tables, self._tables
-        for row, table in enumerate(block_tables):
-            if staged[row] != table:
-                tables[row, :len(table)] = table
-                tables[row, len(table):len(staged[row])] = self.scratch_block
-                staged[row] = list(table)
-        for row in range(len(block_tables), size):
-            if staged[row]:
-                tables[row, :len(staged[row])] = self.scratch_block
-                staged[row] = []
