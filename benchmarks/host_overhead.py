@@ -23,9 +23,9 @@ import pstats
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -168,8 +168,8 @@ class Setup:
 
 
 def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
-    lora_args = dict(enable_lora=True, max_loras=NUM_ADAPTERS, max_cpu_loras=NUM_ADAPTERS,
-                     max_lora_rank=setup.max_lora_rank) if lora else {}
+    lora_args = {"enable_lora": True, "max_loras": NUM_ADAPTERS, "max_cpu_loras": NUM_ADAPTERS,
+                 "max_lora_rank": setup.max_lora_rank} if lora else {}
     blocks_per_seq = -(-(setup.prompt_len + 2 * steps + 8) // 16)
     return LLMEngine(EngineConfig(model=str(setup.model_dir), device=setup.device, dtype=setup.dtype,
                                   load_format=setup.load_format, max_num_seqs=batch, max_model_len=setup.max_model_len,

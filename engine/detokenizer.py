@@ -6,8 +6,8 @@ end in U+FFFD, so a multi-byte character split across tokens is never shown half
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
-from typing import Callable
 
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
 
