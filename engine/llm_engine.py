@@ -24,6 +24,7 @@ from .model_loader import (
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .sampler import (
+    SampledToken,
     Sampler,
     SamplingRow,
     compute_logprobs,
@@ -300,7 +301,7 @@ class LLMEngine:
         self.lora_manager.wait_for_loads()
         return slots
 
-    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list:
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """A batch asking for nothing but greedy tokens skips the sampler's per-row work (same result)."""
         if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
             return self.sampler.greedy(logits)
@@ -392,11 +393,15 @@ def _completion(seq: Sequence) -> CompletionOutput:
 
 
 def _take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """hidden[rows] for increasing rows, as a view when they are the leading ones (every decode step):
-    indexing by a list copies it to the device and waits there for the forward to finish."""
+    """hidden[rows] for increasing rows, without waiting for the forward to finish (as indexing a GPU
+    tensor by a list does): a view when they are the leading rows (every decode step), else an index
+    sent from page-locked memory."""
     if rows[-1] == len(rows) - 1:
         return hidden[:len(rows)]
-    return hidden[torch.tensor(rows).to(hidden.device, non_blocking=True)]
+    index = torch.tensor(rows)
+    if hidden.is_cuda:
+        index = index.pin_memory().to(hidden.device, non_blocking=True)
+    return hidden[index]
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
