@@ -35,9 +35,7 @@ class LoadedAdapter:
     nbytes: int
 
 
-def _module_weights(
-    module: str, plan: ModulePlan, sides: dict[str, torch.Tensor], shape: tuple[int, int]
-) -> LoRAModuleWeights:
+def _check_sides(module: str, plan: ModulePlan, sides: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
     missing = [f"lora_{side}" for side in "AB" if side not in sides]
     if missing:
         raise AdapterError(f"Adapter weights for {module} are missing {' and '.join(missing)}.")
@@ -47,6 +45,9 @@ def _module_weights(
         got = tuple(sides[side].shape)
         if got != want:
             raise AdapterError(f"Adapter weight lora_{side} for {module} has shape {list(got)}; expected {list(want)}.")
+
+
+def _module_weights(plan: ModulePlan, sides: dict[str, torch.Tensor]) -> LoRAModuleWeights:
     lora_a = sides["A"].to(torch.float32).contiguous()
     lora_b = (sides["B"].to(torch.float32) * plan.scaling).contiguous()
     return LoRAModuleWeights(lora_a=lora_a, lora_b=lora_b, rank=plan.rank, scaling=plan.scaling)
@@ -58,7 +59,17 @@ def load_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = Fal
     Our projections are nn.Linear, for which peft ignores fan_in_fan_out: A is [r, in] and B is
     [out, r] either way, so the flag needs no transpose here.
     """
-    return _validated(Path(path), model, read_tensors, allow_pickle)
+    directory = Path(path)
+    config, plans, grouped = _validated(directory, model, read_tensors, allow_pickle)
+    modules = {module: _module_weights(plan, grouped[module]) for module, plan in plans.items()}
+    return LoadedAdapter(
+        path=str(directory),
+        config=config,
+        rank=max(weights.rank for weights in modules.values()),
+        target_modules=sorted({module.rsplit(".", 1)[-1] for module in modules}),
+        modules=modules,
+        nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in modules.values()),
+    )
 
 
 def check_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = False) -> None:
@@ -67,7 +78,9 @@ def check_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = Fa
     _validated(Path(path), model, read_tensor_headers, allow_pickle)
 
 
-def _validated(directory: Path, model: ModelInfo, read, allow_pickle: bool) -> LoadedAdapter:
+def _validated(directory: Path, model: ModelInfo, read, allow_pickle: bool
+               ) -> tuple[dict, dict[str, ModulePlan], dict[str, dict[str, torch.Tensor]]]:
+    """The adapter's config, its per-module plans and its A/B tensors by module, after every check."""
     config = read_adapter_config(directory)
     check_supported(config)
     check_base_model(config, model, str(directory))
@@ -78,15 +91,6 @@ def _validated(directory: Path, model: ModelInfo, read, allow_pickle: bool) -> L
             if module in model.module_shapes:
                 raise AdapterError(f"Adapter weights include {module}, which is not targeted by adapter_config.json.")
             raise AdapterError(f"Adapter weights include {module}, which has no LoRA path in this model.")
-    modules = {
-        module: _module_weights(module, plan, grouped.get(module, {}), model.module_shapes[module])
-        for module, plan in plans.items()
-    }
-    return LoadedAdapter(
-        path=str(directory),
-        config=config,
-        rank=max(weights.rank for weights in modules.values()),
-        target_modules=sorted({module.rsplit(".", 1)[-1] for module in modules}),
-        modules=modules,
-        nbytes=sum(w.lora_a.nbytes + w.lora_b.nbytes for w in modules.values()),
-    )
+    for module, plan in plans.items():
+        _check_sides(module, plan, grouped.get(module, {}), model.module_shapes[module])
+    return config, plans, grouped
