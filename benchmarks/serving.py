@@ -16,6 +16,7 @@ floor, and transformers+peft with a mixed-adapter batch as the baseline.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import gc
 import json
@@ -39,6 +40,30 @@ SHAPES = {
                   num_key_value_heads=2, vocab_size=2048, max_position_embeddings=2048, rope_theta=10000.0),
 }
 RESULTS: dict = {}
+
+
+WORKLOAD_BASE, WORKLOAD_ADAPTERS, WORKLOAD_ZIPF = WORKLOADS = ("base", "adapters", "zipf")
+
+
+@contextlib.contextmanager
+def cpu_profile(to: Path | None):
+    """Where the engine thread's time goes (top functions by own time), written to `to`."""
+    if to is None:
+        yield
+        return
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(40)
+        to.write_text(text.getvalue())
 
 
 def sync() -> None:
@@ -124,19 +149,23 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     start = time.perf_counter()
     for prompt, lora in zip(batch, loras):
         engine.add_request(prompt, params, lora)
+    add_seconds = time.perf_counter() - start
     steps = 0
-    decode_walls = []
+    decode_walls, batch_sizes = [], []
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         engine.step()
         steps += 1
+        batch_sizes.append(len(engine.scheduler.running))
         if all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running):
             decode_walls.append(time.perf_counter() - t)
     sync()
     elapsed = time.perf_counter() - start
     tokens = len(batch) * output_len
     return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=steps,
-                median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None)
+                median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
+                add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
+                idle_steps=batch_sizes.count(0))
 
 
 def _eager_step_profile(engine: LLMEngine) -> str:
@@ -345,6 +374,9 @@ def main() -> None:
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="*", default=[],
                         help="only run workload (c) once per size (TP comparison) and exit")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS,
+                        help="base: (a) and its decode profile; adapters: (b), (c), online; zipf: (d)")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
     args = parser.parse_args()
     began = time.perf_counter()
     out = Path(args.out)
@@ -369,62 +401,65 @@ def main() -> None:
         return
 
     # (a) base only
-    engine = build_engine(model_dir, args)
-    offline(engine, batch[:8], [None] * 8, 4)
-    RESULTS["a_base"] = offline(engine, batch, [None] * len(batch), args.output_len)
-    log(f"(a) base: {RESULTS['a_base']}")
-    if gpu:
-        RESULTS["decode_base_b64"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab,
-                                                          out / "profile_base_b64.txt")
-        RESULTS["decode_base_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 0, bandwidth)
-        log(f"decode base b64: {RESULTS['decode_base_b64']}")
-    free(engine)
-    save(out)
+    if WORKLOAD_BASE in args.workloads:
+        engine = build_engine(model_dir, args)
+        offline(engine, batch[:8], [None] * 8, 4)
+        RESULTS["a_base"] = offline(engine, batch, [None] * len(batch), args.output_len)
+        log(f"(a) base: {RESULTS['a_base']}")
+        if gpu:
+            RESULTS["decode_base_b64"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab,
+                                                              out / "profile_base_b64.txt")
+            RESULTS["decode_base_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 0, bandwidth)
+            log(f"decode base b64: {RESULTS['decode_base_b64']}")
+        free(engine)
+        save(out)
 
     # (b), (c) and the sweep: one engine with 64 slots
-    engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
-    requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
-    t = time.perf_counter()
-    for r in requests:
-        engine.lora_manager.add(r)
-    RESULTS["adapter_cold_load_s"] = (time.perf_counter() - t) / len(requests)
-    sync()
-    t = time.perf_counter()
-    engine.lora_manager.pin(requests[0])
-    sync()
-    RESULTS["adapter_host_to_slot_s"] = time.perf_counter() - t
-    engine.lora_manager.unpin(requests[0])
-    offline(engine, batch[:8], requests[:8], 4)
-    RESULTS["b_one_adapter"] = offline(engine, batch, [requests[0]] * len(batch), args.output_len)
-    log(f"(b) one adapter: {RESULTS['b_one_adapter']}")
-    RESULTS["c_64_adapters"] = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
-    log(f"(c) 64 adapters: {RESULTS['c_64_adapters']}")
-    if gpu:
-        RESULTS["decode_lora_b64"] = decode_step_profile(engine, 64, args.prompt_len, requests[:64], vocab,
-                                                          out / "profile_lora_b64.txt")
-        RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth)
-        log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
-    save(out)
-    if not over_budget():
-        async_engine = AsyncEngine(engine=engine)
+    if WORKLOAD_ADAPTERS in args.workloads:
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        t = time.perf_counter()
+        for r in requests:
+            engine.lora_manager.add(r)
+        RESULTS["adapter_cold_load_s"] = (time.perf_counter() - t) / len(requests)
+        sync()
+        t = time.perf_counter()
+        engine.lora_manager.pin(requests[0])
+        sync()
+        RESULTS["adapter_host_to_slot_s"] = time.perf_counter() - t
+        engine.lora_manager.unpin(requests[0])
+        offline(engine, batch[:8], requests[:8], 4)
+        RESULTS["b_one_adapter"] = offline(engine, batch, [requests[0]] * len(batch), args.output_len)
+        log(f"(b) one adapter: {RESULTS['b_one_adapter']}")
+        RESULTS["c_64_adapters"] = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
+        log(f"(c) 64 adapters: {RESULTS['c_64_adapters']}")
+        if gpu:
+            RESULTS["decode_lora_b64"] = decode_step_profile(engine, 64, args.prompt_len, requests[:64], vocab,
+                                                              out / "profile_lora_b64.txt")
+            RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth)
+            log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
+        save(out)
+        if not over_budget():
+            async_engine = AsyncEngine(engine=engine)
 
-        async def run_online():
-            online_batch = batch[:args.online_requests]
-            return await online(async_engine, online_batch, [requests[i % 64] for i in range(len(online_batch))],
-                                args.output_len, args.online_rate)
+            async def run_online():
+                online_batch = batch[:args.online_requests]
+                return await online(async_engine, online_batch, [requests[i % 64] for i in range(len(online_batch))],
+                                    args.output_len, args.online_rate)
 
-        RESULTS["online_64_adapters"] = asyncio.run(run_online())
-        log(f"online: {RESULTS['online_64_adapters']}")
-        async_engine.shutdown()
-    free(engine)
-    save(out)
+            RESULTS["online_64_adapters"] = asyncio.run(run_online())
+            log(f"online: {RESULTS['online_64_adapters']}")
+            async_engine.shutdown()
+        free(engine)
+        save(out)
 
     # (d) 1000 adapters, Zipf, 32 slots
-    if not over_budget():
+    if WORKLOAD_ZIPF in args.workloads and not over_budget():
         engine = build_engine(model_dir, args, enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
         population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         picks = zipf_choice(len(batch), len(population))
-        RESULTS["d_1000_zipf"] = offline(engine, batch, [population[i] for i in picks], args.output_len)
+        with cpu_profile(out / "profile_d_host.txt" if args.profile_host else None):
+            RESULTS["d_1000_zipf"] = offline(engine, batch, [population[i] for i in picks], args.output_len)
         RESULTS["d_1000_zipf"]["distinct_adapters"] = len(set(picks))
         log(f"(d) 1000 zipf: {RESULTS['d_1000_zipf']}")
         free(engine)
