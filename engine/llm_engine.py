@@ -247,6 +247,8 @@ class LLMEngine:
         by one step."""
         plan = self.scheduler.schedule()
         if plan.empty:
+            if self.lora_manager:
+                self.lora_manager.wait_for_reads(timeout=0.1)
             return [self._output(request) for request in self._finish_detokenization().values()]
         scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
         slots = self._adapter_slots(scheduled)
