@@ -26,31 +26,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.hbm import measure_bandwidth  # noqa: E402
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SMOKE_HEADS, SMOKE_KV_HEADS, SMOKE_HEAD_DIM = 4, 2, 16
 SCALE = HEAD_DIM ** -0.5
 CHECK_ROWS = 4
-
-
-def measure_bandwidth(device: torch.device) -> float:
-    """Bytes per second (read + write) of a large copy, timed on the stream (a graph's copy node runs slower)."""
-    size = (2 << 30) if device.type == "cuda" else (64 << 20)
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if device.type == "cuda":
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        for _ in range(10):
-            dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        seconds = begin.elapsed_time(end) / 1e3 / 10
-    else:
-        began = time.perf_counter()
-        dst.copy_(src)
-        seconds = time.perf_counter() - began
-    return 2 * size / seconds
 
 
 def _time_us(fn: Callable[[], object], device: torch.device) -> float:

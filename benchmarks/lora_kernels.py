@@ -33,6 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.hbm import measure_bandwidth  # noqa: E402
+
 from kernels import LoRAMetadata, lora_triton, lora_tuning, prepare_lora_metadata  # noqa: E402
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig  # noqa: E402
 
@@ -118,25 +120,6 @@ class Timer:
                 events.append((start, end))
         torch.cuda.synchronize()
         return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
-def measure_bandwidth() -> float:
-    """HBM bytes per second from a large device-to-device copy (bytes read + bytes written)."""
-    if not CUDA:
-        return 50e9
-    size = 2 << 30
-    src = torch.empty(size, dtype=torch.uint8, device=DEVICE).random_(0, 255)
-    dst = torch.empty_like(src)
-    times = []
-    for i in range(12):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 2:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * size / statistics.median(times)
 
 
 # ---------------------------------------------------------------- data
@@ -476,7 +459,7 @@ def main() -> None:
         "torch": torch.__version__, "triton": triton.__version__,
         "command": " ".join(sys.argv),
     }
-    bandwidth = measure_bandwidth()
+    bandwidth = measure_bandwidth(DEVICE)
     meta["bandwidth_tbs"] = bandwidth / 1e12
     print(f"{meta['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth)

@@ -29,6 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.hbm import measure_bandwidth  # noqa: E402
+
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -233,22 +235,6 @@ def bytes_floor_ms(engine: LLMEngine, batch_size: int, context: int, distinct_ad
     return 1e3 * (weight_bytes + kv_bytes + distinct_adapters * adapter_bytes) / bandwidth
 
 
-def measure_bandwidth() -> float:
-    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    torch.cuda.synchronize()
-    seconds = begin.elapsed_time(end) / 1e3 / 10
-    del src, dst
-    return 2 * (2 << 30) / seconds
-
-
 async def online(engine: AsyncEngine, batch: list[list[int]], loras: list, output_len: int, rate: float) -> dict:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     ttft, tpot = [], []
@@ -389,7 +375,7 @@ def main() -> None:
     log(f"adapters written in {time.perf_counter() - t:.1f}s")
     RESULTS["config"] = vars(args)
     gpu = args.device == "cuda"
-    RESULTS["hbm_bytes_per_s"] = bandwidth = measure_bandwidth() if gpu else 0.0
+    RESULTS["hbm_bytes_per_s"] = bandwidth = measure_bandwidth("cuda") if gpu else 0.0
     log(f"measured D2D bandwidth {bandwidth / 1e12:.2f} TB/s")
     batch = prompts(args.num_requests, args.prompt_len, vocab)
 
