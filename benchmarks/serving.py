@@ -167,7 +167,7 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=steps,
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
-                idle_steps=batch_sizes.count(0))
+                idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls))
 
 
 def _eager_step_profile(engine: LLMEngine) -> str:
