@@ -156,6 +156,8 @@ class AsyncEngine:
             return
         for output in outputs:
             self._deliver(output.request_id, output)
+        for request_id, error in self.engine.take_errors().items():
+            self._deliver(request_id, error)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         finished = isinstance(item, BaseException) or item.finished

@@ -73,6 +73,11 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
+                errors = engine.take_errors()
+                if errors:
+                    for request_id in ids:
+                        engine.abort(request_id)
+                    raise next(iter(errors.values()))
         return [finished[request_id] for request_id in ids]
 
 

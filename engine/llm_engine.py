@@ -105,6 +105,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         self.requests: dict[str, Request] = {}
+        self._errors: dict[str, BaseException] = {}
         self._pending_detokenization: list[tuple[Sequence, int]] = []
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -239,6 +240,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
+    def take_errors(self) -> dict[str, BaseException]:
+        """Requests the engine had to give up on since the last call (their adapter's weights could not
+        be read), with why; they are already aborted, and every other request carries on."""
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def _fail(self, request: Request, error: BaseException) -> None:
+        if request.request_id in self.requests:
+            self.abort(request.request_id)
+            self._errors[request.request_id] = error
+
     # ---- stepping -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One forward pass. Detokenizing the previous step's tokens (and matching stop strings) and
@@ -246,6 +258,8 @@ class LLMEngine:
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
         by one step."""
         plan = self.scheduler.schedule()
+        for seq, error in plan.failed:
+            self._fail(seq.request, error)
         if plan.empty:
             if self.lora_manager:
                 self.lora_manager.wait_for_reads(timeout=0.1)

@@ -68,7 +68,7 @@ class LoRAManager:
         self._pending_loads: list[torch.cuda.Event] = []
         self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
         self._reads: dict[int, Future] = {}
-        self._failed_reads: set[int] = set()
+        self._failed_reads: dict[int, BaseException] = {}
 
     # ---- registration ---------------------------------------------------------------------
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
@@ -113,17 +113,22 @@ class LoRAManager:
     def is_ready(self, lora_request: LoRARequest, pinnable: bool) -> bool:
         """True when the adapter can go into a slot without reading the disk. Otherwise its weights
         are read on a background thread, and the scheduler serves other requests meanwhile: ahead of
-        time while the host cache has room, else only when a slot is free for it (`pinnable`)."""
+        time while the host cache has room, else only when a slot is free for it (`pinnable`). A read
+        that failed is reported by `take_read_error`, not retried until that is called."""
         int_id = lora_request.lora_int_id
         if int_id in self.slot_owner or int_id in self.host:
             return True
         self._collect_reads()
-        if int_id in self.host or int_id in self._failed_reads:
-            self._failed_reads.discard(int_id)  # a failed read is retried, and raises, when the slot loads
+        if int_id in self.host:
             return True
-        if int_id not in self._reads and self._may_read(pinnable):
+        if int_id not in self._reads and int_id not in self._failed_reads and self._may_read(pinnable):
             self._reads[int_id] = self._reader.submit(self._read, lora_request)
         return False
+
+    def take_read_error(self, lora_request: LoRARequest) -> BaseException | None:
+        """Why the adapter's weights could not be read (the requests waiting for it fail with it);
+        once taken, the next request for it reads them again."""
+        return self._failed_reads.pop(lora_request.lora_int_id, None)
 
     def _may_read(self, pinnable: bool) -> bool:
         """Reads in flight stay within the slots they could fill (or the host cache's free room), so
@@ -148,7 +153,7 @@ class LoRAManager:
                 if future.exception() is None:
                     self._cache(int_id, future.result())
                 else:
-                    self._failed_reads.add(int_id)
+                    self._failed_reads[int_id] = future.exception()
 
     def can_pin(self, lora_request: LoRARequest) -> bool:
         if lora_request.lora_int_id in self.slot_owner:

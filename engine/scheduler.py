@@ -20,6 +20,7 @@ from .sequence import Sequence, SequenceStatus
 
 class AdapterSlots(Protocol):
     def is_ready(self, lora_request: LoRARequest, pinnable: bool) -> bool: ...
+    def take_read_error(self, lora_request: LoRARequest) -> BaseException | None: ...
     def can_pin(self, lora_request: LoRARequest) -> bool: ...
     def drain_candidate(self) -> int | None: ...
     def pin(self, lora_request: LoRARequest) -> None: ...
@@ -41,6 +42,7 @@ class ScheduledSequence:
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, BaseException]] = field(default_factory=list)  # their adapter could not be read
 
     @property
     def empty(self) -> bool:
@@ -128,6 +130,7 @@ class Scheduler:
 
     def _admit(self, output: SchedulerOutput, budget: int) -> None:
         slots = self.adapter_slots
+        read_errors: dict[int, BaseException] = {}
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
@@ -135,6 +138,12 @@ class Scheduler:
             if lora is not None:
                 pinnable = slots.can_pin(lora)
                 ready = slots.is_ready(lora, pinnable)
+                error = None if ready else read_errors.get(lora.lora_int_id) or slots.take_read_error(lora)
+                if error is not None:
+                    read_errors[lora.lora_int_id] = error
+                    self.finish(seq)
+                    output.failed.append((seq, error))
+                    continue
                 if not pinnable:
                     seq.skipped_steps += 1
                     if seq.skipped_steps > self.max_skips and self.draining is None:

@@ -85,3 +85,34 @@ def test_invalid_request_raises_in_the_caller(async_engine):
     with pytest.raises(ValueError, match="maximum context length"):
         asyncio.run(main())
     assert async_engine.stats().num_waiting == 0
+
+
+def test_an_adapter_that_cannot_be_read_fails_its_stream_and_others_finish(tiny_llama, tmp_path):
+    """The adapter was checked and cached, then evicted from host memory by another, and its weight
+    file broke: its request's stream raises the read error; a base request running beside it finishes."""
+    from adapters_registry import AdapterError
+    from engine import LoRARequest
+    from tests.tiny_models import make_peft_adapter
+
+    evicted = LoRARequest("evicted", 1, str(make_peft_adapter(tiny_llama, tmp_path / "evicted", seed=3)))
+    other = LoRARequest("other", 2, str(make_peft_adapter(tiny_llama, tmp_path / "other", seed=4)))
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu", enable_lora=True,
+                                      max_loras=1, max_cpu_loras=1))
+    try:
+        engine.add_lora(evicted)
+        engine.add_lora(other)
+        (tmp_path / "evicted" / "adapter_model.safetensors").write_bytes(b"gone")
+
+        async def main():
+            async def doomed():
+                return [o async for o in engine.generate("Hello", PARAMS, lora_request=evicted)]
+
+            return await asyncio.gather(doomed(), _collect(engine, "Hello"), return_exceptions=True)
+
+        failed, base = asyncio.run(main())
+        assert isinstance(failed, AdapterError) and "corrupt or truncated" in str(failed)
+        assert base[-1].finished and len(base[-1].outputs[0].token_ids) == PARAMS.max_tokens
+        stats = engine.stats()
+        assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
+    finally:
+        engine.shutdown()

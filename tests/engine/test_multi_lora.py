@@ -1,6 +1,8 @@
 """Mixed-adapter batches against transformers + peft, and adapter residency (slots, host cache)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -285,3 +287,43 @@ def test_reading_ahead_never_evicts_an_adapter_before_it_runs(tiny_llama, adapte
     assert sorted(reads) == sorted(lora.lora_path for lora in adapters[:4])
     for request_id, key in ids.items():
         assert finished[request_id].outputs[0].token_ids == reference[key][0]
+
+
+def _break_weights(lora: LoRARequest, tmp_path) -> LoRARequest:
+    """A copy of the adapter whose weight file is broken after its header was checked (replaced on disk)."""
+    import shutil
+
+    copy = tmp_path / lora.lora_name
+    shutil.copytree(lora.lora_path, copy)
+    return LoRARequest(f"{lora.lora_name}-broken", 50, str(copy))
+
+
+def test_an_adapter_whose_weights_cannot_be_read_fails_only_its_requests(tiny_llama, adapters, reference, tmp_path):
+    from adapters_registry import AdapterError
+
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    engine = llm.engine
+    broken = _break_weights(adapters[1], tmp_path)
+    good = engine.add_request(PROMPTS[0], PARAMS, adapters[0])
+    doomed = [engine.add_request(PROMPTS[i], PARAMS, broken) for i in (1, 2)]
+    (Path(broken.lora_path) / "adapter_model.safetensors").write_bytes(b"gone")
+    finished = run_to_completion(engine)
+    errors = engine.take_errors()
+    assert set(errors) == set(doomed)
+    assert all(isinstance(e, AdapterError) and "corrupt or truncated" in str(e) for e in errors.values())
+    assert finished[good].outputs[0].token_ids == reference[(PROMPTS[0], adapters[0].lora_name)][0]
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert engine.lora_manager.slot_usage()[0] == 1  # only the good adapter was ever loaded
+
+
+def test_offline_generate_raises_the_read_error_and_leaves_nothing_behind(tiny_llama, adapters, tmp_path):
+    from adapters_registry import AdapterError
+
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
+    broken = _break_weights(adapters[1], tmp_path)
+    llm.engine.lora_manager.ensure_loaded([broken])
+    (Path(broken.lora_path) / "adapter_model.safetensors").write_bytes(b"gone")
+    with pytest.raises(AdapterError, match="corrupt or truncated"):
+        llm.generate([PROMPTS[0], PROMPTS[1]], PARAMS, lora_request=[adapters[0], broken], use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
