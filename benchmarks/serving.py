@@ -167,7 +167,18 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=steps,
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
-                idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls))
+                idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls),
+                **_stalls(decode_walls))
+
+
+def _stalls(decode_walls: list[float]) -> dict:
+    """Decode-only steps that took over twice the median: time lost to something other than decoding
+    (a host-side wait, an allocation, a compile)."""
+    if not decode_walls:
+        return {}
+    limit = 2 * statistics.median(decode_walls)
+    slow = [w for w in decode_walls if w > limit]
+    return dict(stalled_decode_steps=len(slow), stalled_decode_excess_seconds=sum(slow) - len(slow) * limit / 2)
 
 
 def _eager_step_profile(engine: LLMEngine) -> str:
