@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that re-checks the GPU paths and re-measures what BENCHMARKS.md reports (~8 minutes on
 # an H200): the GPU-only tests, the fused-op and decode-attention micro-benchmarks, then the serving
-# benchmark within what is left of the budget. Everything lands in $OUT (logs and JSON).
+# benchmark within what is left of the budget. Everything lands in $OUT: session.log and the JSON and
+# profiles the benchmarks write (seven files, within what a device call brings back).
 #
 #     bash benchmarks/h200_session.sh            # through `device`: run(command="bash benchmarks/h200_session.sh")
 set -uo pipefail
@@ -10,11 +11,11 @@ OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 began=$SECONDS
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_cuda.py tests/kernels tests/engine/test_sampler.py \
-    tests/engine/test_batching.py 2>&1 | tail -5 | tee "$OUT/gpu_tests.log"
+    tests/engine/test_batching.py 2>&1 | tail -5 | tee "$OUT/session.log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused.py tests/kernels/test_paged_attention.py \
-    -k "not model_with_the_triton" 2>&1 | tail -3 | tee -a "$OUT/gpu_tests.log"
-timeout 60 python3 benchmarks/fused_ops.py --out "$OUT" > "$OUT/fused_ops.log" 2>&1
-timeout 90 python3 benchmarks/decode_attention.py --out "$OUT" > "$OUT/decode_attention.log" 2>&1
+    -k "not model_with_the_triton" 2>&1 | tail -3 | tee -a "$OUT/session.log"
+timeout 60 python3 benchmarks/fused_ops.py --out "$OUT" >> "$OUT/session.log" 2>&1
+timeout 90 python3 benchmarks/decode_attention.py --out "$OUT" >> "$OUT/session.log" 2>&1
 left=$(( 540 - (SECONDS - began) ))
 python3 benchmarks/serving.py --shape llama3-8b --out "$OUT" --budget-s $(( left > 200 ? left - 150 : 60 )) --skip-baseline \
-    2>&1 | grep -v "it/s\]" | tee "$OUT/serving.log" | tail -15
+    2>&1 | grep -v "it/s\]" | tee -a "$OUT/session.log" | tail -15

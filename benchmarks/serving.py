@@ -145,26 +145,36 @@ def zipf_choice(n: int, population: int, seed: int = 0, a: float = 1.1) -> list[
     return torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
 
 
-def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int) -> dict:
+def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int,
+            timeline_to: Path | None = None) -> dict:
+    """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls."""
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     sync()
     start = time.perf_counter()
     for prompt, lora in zip(batch, loras):
         engine.add_request(prompt, params, lora)
     add_seconds = time.perf_counter() - start
-    steps = 0
-    decode_walls, batch_sizes = [], []
+    decode_walls, batch_sizes, timeline = [], [], []
+    before = engine.stats()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         engine.step()
-        steps += 1
-        batch_sizes.append(len(engine.scheduler.running))
-        if all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running):
-            decode_walls.append(time.perf_counter() - t)
+        wall = time.perf_counter() - t
+        after = engine.stats()
+        decode_only = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
+        batch_sizes.append(after.num_running)
+        if decode_only:
+            decode_walls.append(wall)
+        timeline.append(dict(ms=round(1e3 * wall, 3), running=after.num_running, waiting=after.num_waiting,
+                             decode_only=decode_only, slot_loads=after.lora_slot_loads - before.lora_slot_loads,
+                             disk_reads=after.lora_disk_reads - before.lora_disk_reads))
+        before = after
     sync()
     elapsed = time.perf_counter() - start
+    if timeline_to is not None:
+        timeline_to.write_text(json.dumps(timeline))
     tokens = len(batch) * output_len
-    return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=steps,
+    return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=len(timeline),
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
                 idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls),
@@ -456,7 +466,8 @@ def main() -> None:
         population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         picks = zipf_choice(len(batch), len(population))
         with cpu_profile(out / "profile_d_host.txt" if args.profile_host else None):
-            RESULTS["d_1000_zipf"] = offline(engine, batch, [population[i] for i in picks], args.output_len)
+            RESULTS["d_1000_zipf"] = offline(engine, batch, [population[i] for i in picks], args.output_len,
+                                             timeline_to=out / "timeline_d.json")
         RESULTS["d_1000_zipf"]["distinct_adapters"] = len(set(picks))
         log(f"(d) 1000 zipf: {RESULTS['d_1000_zipf']}")
         free(engine)

@@ -53,6 +53,8 @@ class EngineStats:
     lora_slots_used: int
     lora_slots_total: int
     num_preemptions: int
+    lora_slot_loads: int  # counters since start: adapters copied into slots, and read from disk
+    lora_disk_reads: int
 
 
 def resolve_device(device: str) -> torch.device:
@@ -387,11 +389,13 @@ class LLMEngine:
             self.model.close()
 
     def stats(self) -> EngineStats:
-        used, total = (self.lora_manager.slot_usage() if self.lora_manager else (0, 0))
+        manager = self.lora_manager
+        used, total = manager.slot_usage() if manager else (0, 0)
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_blocks_used=self.allocator.num_used, kv_blocks_total=self.allocator.num_blocks,
             lora_slots_used=used, lora_slots_total=total, num_preemptions=self.scheduler.num_preemptions,
+            lora_slot_loads=manager.slot_loads if manager else 0, lora_disk_reads=manager.disk_reads if manager else 0,
         )
 
 

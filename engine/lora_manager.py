@@ -68,6 +68,8 @@ class LoRAManager:
         self._pending_loads: list[torch.cuda.Event] = []
         self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
         self._reads: dict[int, Future] = {}
+        self.disk_reads = 0  # adapters read from disk, ever (a high rate: max_cpu_loras is too small)
+        self.slot_loads = 0  # adapters copied into a device slot, ever (a high rate: max_loras is too small)
         self._failed_reads: dict[int, BaseException] = {}
 
     # ---- registration ---------------------------------------------------------------------
@@ -215,6 +217,7 @@ class LoRAManager:
 
     def _read(self, lora_request: LoRARequest) -> LoadedAdapter:
         """Disk to host: validate, load, shard (tensor parallelism) and lay out one adapter."""
+        self.disk_reads += 1
         adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
         return self._host_layout(self._transform(adapter))
 
@@ -256,6 +259,7 @@ class LoRAManager:
         return adapter if self.adapter_transform is None else self.adapter_transform(adapter)
 
     def _load_into_slot(self, lora_request: LoRARequest, slot: int) -> None:
+        self.slot_loads += 1
         if self.on_slot_load is not None:
             self.on_slot_load(lora_request, slot)
         adapter = self._host_copy(lora_request)

@@ -5,7 +5,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 BASE_LABEL = "base"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -30,6 +30,12 @@ class _EngineCollector:
             ("loraserve_lora_slots_total", stats.lora_slots_total, "Adapter slots (max_loras)."),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        for name, value, doc in (
+            ("loraserve_num_preemptions", stats.num_preemptions, "Sequences preempted for KV blocks (recomputed later)."),
+            ("loraserve_lora_slot_loads", stats.lora_slot_loads, "Adapters copied into a device slot."),
+            ("loraserve_lora_disk_reads", stats.lora_disk_reads, "Adapters read from disk into host memory."),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
         running = GaugeMetricFamily(
             "loraserve_adapter_running_requests", "Running requests per registered adapter.", labels=["adapter"]
         )

@@ -285,6 +285,8 @@ def test_reading_ahead_never_evicts_an_adapter_before_it_runs(tiny_llama, adapte
            for i, lora in enumerate(adapters[:4])}
     finished = run_to_completion(llm.engine)
     assert sorted(reads) == sorted(lora.lora_path for lora in adapters[:4])
+    stats = llm.engine.stats()
+    assert (stats.lora_disk_reads, stats.lora_slot_loads) == (4, 4)
     for request_id, key in ids.items():
         assert finished[request_id].outputs[0].token_ids == reference[key][0]
 

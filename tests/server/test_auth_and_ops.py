@@ -94,5 +94,6 @@ def test_metrics_expose_engine_gauges(http):
     assert {
         "loraserve_num_requests_running", "loraserve_num_requests_waiting", "loraserve_kv_blocks_used",
         "loraserve_kv_blocks_total", "loraserve_lora_slots_used", "loraserve_lora_slots_total",
-        "loraserve_adapter_running_requests",
+        "loraserve_adapter_running_requests", "loraserve_num_preemptions_total", "loraserve_lora_slot_loads_total",
+        "loraserve_lora_disk_reads_total",
     } <= samples
