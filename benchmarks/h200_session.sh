@@ -17,5 +17,5 @@ timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused.py 
 timeout 60 python3 benchmarks/fused_ops.py --out "$OUT" >> "$OUT/session.log" 2>&1
 timeout 90 python3 benchmarks/decode_attention.py --out "$OUT" >> "$OUT/session.log" 2>&1
 left=$(( 540 - (SECONDS - began) ))
-python3 benchmarks/serving.py --shape llama3-8b --out "$OUT" --budget-s $(( left > 200 ? left - 150 : 60 )) --skip-baseline \
+python3 benchmarks/serving.py --shape llama3-8b --out "$OUT" --budget-s $(( left > 200 ? left - 150 : 60 )) \
     2>&1 | grep -v "it/s\]" | tee -a "$OUT/session.log" | tail -15
