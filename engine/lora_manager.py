@@ -124,6 +124,7 @@ class LoRAManager:
         if int_id in self.host:
             return True
         if int_id not in self._reads and int_id not in self._failed_reads and self._may_read(pinnable):
+            self.disk_reads += 1
             self._reads[int_id] = self._reader.submit(self._read, lora_request)
         return False
 
@@ -139,8 +140,7 @@ class LoRAManager:
             return False
         if len(self.host) + len(self._reads) < self.max_cpu_loras:
             return True
-        free_slots = sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
-        return pinnable and len(self._reads) < free_slots
+        return pinnable and len(self._reads) < self._takeable_slots()
 
     def wait_for_reads(self, timeout: float) -> None:
         """Block until a background read finishes (or the timeout): for a step that has nothing to
@@ -160,7 +160,7 @@ class LoRAManager:
     def can_pin(self, lora_request: LoRARequest) -> bool:
         if lora_request.lora_int_id in self.slot_owner:
             return True
-        return any(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+        return self._takeable_slots() > 0
 
     def drain_candidate(self) -> int | None:
         """The resident adapter with the fewest running sequences: its slot frees soonest if it gets
@@ -198,6 +198,10 @@ class LoRAManager:
         return sum(owner is not None for owner in self.slot_owner), self.num_slots
 
     # ---- internals ------------------------------------------------------------------------
+    def _takeable_slots(self) -> int:
+        """Slots a new adapter could go into now: empty, or holding one no running sequence uses."""
+        return sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+
     def _pick_slot(self) -> int:
         free = [s for s, owner in enumerate(self.slot_owner) if owner is None]
         if free:
@@ -209,6 +213,7 @@ class LoRAManager:
         int_id = lora_request.lora_int_id
         adapter = self.host.get(int_id)
         if adapter is None:
+            self.disk_reads += 1
             adapter = self._read(lora_request)
             self._cache(int_id, adapter)
         else:
@@ -217,7 +222,6 @@ class LoRAManager:
 
     def _read(self, lora_request: LoRARequest) -> LoadedAdapter:
         """Disk to host: validate, load, shard (tensor parallelism) and lay out one adapter."""
-        self.disk_reads += 1
         adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
         return self._host_layout(self._transform(adapter))
 

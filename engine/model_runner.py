@@ -42,16 +42,10 @@ class ModelRunner:
         for item, lora_slot in zip(scheduled, adapter_slots):
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             table = seq.block_table
-            if n == 1:  # a decode: no ranges to build
-                input_ids.append(seq.token_ids[start])
-                positions.append(start)
-                slot_mapping.append(table[start // bs] * bs + start % bs)
-                token_slots.append(lora_slot)
-            else:
-                input_ids.extend(seq.token_ids[start:start + n])
-                positions.extend(range(start, start + n))
-                slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-                token_slots.extend([lora_slot] * n)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            token_slots.extend([lora_slot] * n)
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(table)

@@ -105,7 +105,7 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status is not SequenceStatus.RUNNING or budget == 0:
                 continue
-            num_new = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(seq, num_new)
             if needed:  # most decode steps need no new block
                 if not self._make_room(seq, needed, scheduled_ids, output):
