@@ -1,7 +1,8 @@
 """Host (Python) time of one engine decode step: what the device waits on between forwards.
 
     python -m benchmarks.host_overhead [--device cpu|cuda] [--shape tiny|llama3-8b] [--max-model-len 8192]
-                                       [--batches 64 256] [--steps 50] [--no-profile] [--out FILE]
+                                       [--batches 64 256] [--steps 50] [--async-scheduling off|on|both]
+                                       [--no-profile] [--out FILE]
 
 Builds an engine on a tiny random Llama (tests.tiny_models; or Llama-3-8B's shapes with random
 weights, for a GPU), with and without LoRA (64 slots, 64 random peft adapters, request i on
@@ -13,11 +14,17 @@ Exposed time is the host work before the step's first model call plus that after
 returned: the device idles through it however long the forward takes (the rest of the host work
 can run while a big enough model computes). A second, profiled run prints the top functions by
 own time, counting only calls made outside the model.
+
+With async scheduling (on the CPU: its eager form, the same engine code without any overlap) a step
+launches the next forward before reading the previous one's tokens, so steps are not synchronized
+one by one: wall is the step's own time in the steady pipeline, and exposed is wall less model time,
+what the device waits for per step.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
@@ -44,6 +51,7 @@ class Measurement:
     batch: int
     lora: bool
     steps: int
+    async_scheduling: bool
     wall_ms: float  # median decode step
     model_ms: float  # median per step inside the forward / graph replay and compute_logits
     host_ms: float  # median of each step's wall time less its model time
@@ -103,16 +111,21 @@ class StepTimer:
     def end_step(self) -> None:
         self.steps[-1].end = time.perf_counter()
 
-    def measurement(self, device: str, batch: int, lora: bool) -> Measurement:
-        """Medians over the steps, so that a step slowed by another process on the machine does not count."""
+    def measurement(self, device: str, batch: int, lora: bool, overlapped: bool) -> Measurement:
+        """Medians over the steps, so that a step slowed by another process on the machine does not count.
+        overlapped: async scheduling, where the device waits per step for wall less model time."""
         if self.cuda:
             torch.cuda.synchronize()
             models = [sum(s.elapsed_time(e) for s, e in step.model) / 1e3 for step in self.steps]
         else:
             models = [sum(step.model) for step in self.steps]
         walls = [step.end - step.start for step in self.steps]
-        exposed = [(step.first_model_call - step.start) + (step.end - step.sampled) for step in self.steps]
-        return Measurement(device=device, batch=batch, lora=lora, steps=len(self.steps), wall_ms=_median_ms(walls),
+        if overlapped:
+            exposed = [max(0.0, w - m) for w, m in zip(walls, models)]
+        else:
+            exposed = [(step.first_model_call - step.start) + (step.end - step.sampled) for step in self.steps]
+        return Measurement(device=device, batch=batch, lora=lora, steps=len(self.steps),
+                           async_scheduling=overlapped, wall_ms=_median_ms(walls),
                            model_ms=_median_ms(models), host_ms=_median_ms(w - m for w, m in zip(walls, models)),
                            exposed_ms=_median_ms(exposed))
 
@@ -165,6 +178,7 @@ class Setup:
     max_lora_rank: int
     prompt_len: int
     max_model_len: int = MAX_POSITIONS  # sets the width of the CUDA graphs' block tables
+    async_scheduling: bool = False
 
 
 def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
@@ -173,7 +187,9 @@ def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
     blocks_per_seq = -(-(setup.prompt_len + 2 * steps + 8) // 16)
     return LLMEngine(EngineConfig(model=str(setup.model_dir), device=setup.device, dtype=setup.dtype,
                                   load_format=setup.load_format, max_num_seqs=batch, max_model_len=setup.max_model_len,
-                                  num_kv_blocks=batch * blocks_per_seq, **lora_args))
+                                  num_kv_blocks=batch * blocks_per_seq, async_scheduling=setup.async_scheduling,
+                                  async_scheduling_eager=setup.async_scheduling and setup.device == "cpu",
+                                  **lora_args))
 
 
 def add_requests(engine: LLMEngine, batch: int, adapters: list[Path] | None, prompt_len: int, max_tokens: int) -> None:
@@ -187,12 +203,14 @@ def add_requests(engine: LLMEngine, batch: int, adapters: list[Path] | None, pro
 
 
 def run_steps(engine: LLMEngine, steps: int, timer: StepTimer | None = None) -> None:
-    """`steps` engine steps; a GPU is synchronized after each (the step's sampling already waited for it)."""
+    """`steps` engine steps; a GPU is synchronized after each (the step's sampling already waited for it),
+    except with async scheduling, whose steps overlap by design."""
+    sync = engine.device.type == "cuda" and not engine.async_scheduling
     for _ in range(steps):
         if timer is not None:
             timer.begin_step()
         engine.step()
-        if engine.device.type == "cuda":
+        if sync:
             torch.cuda.synchronize()
         if timer is not None:
             timer.end_step()
@@ -213,7 +231,7 @@ def measure(setup: Setup, batch: int, lora: bool, steps: int) -> Measurement:
     engine = prepare(setup, batch, lora, steps)
     timer = instrument(engine)
     run_steps(engine, steps, timer)
-    return timer.measurement(str(engine.device), batch, lora)
+    return timer.measurement(str(engine.device), batch, lora, engine.async_scheduling)
 
 
 def model_functions(stats: dict) -> set:
@@ -273,6 +291,8 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=MAX_POSITIONS)
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 256])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--async-scheduling", choices=["off", "on", "both"], default="both",
+                        help="measure with async scheduling off, on, or each")
     parser.add_argument("--no-profile", action="store_true", help="skip the cProfile breakdown")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steadier timings)")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -284,18 +304,20 @@ def main() -> None:
             llama3_8b_setup(workdir, args.device, args.prompt_len)
         setup.max_model_len = args.max_model_len
         results, profiles = [], {}
-        for batch in args.batches:
-            for lora in (False, True):
-                m = measure(setup, batch, lora, args.steps)
-                results.append(m)
-                print(f"{m.device} batch {m.batch:4d} lora {m.lora!s:5}: wall {m.wall_ms:7.3f} ms/step, "
-                      f"model {m.model_ms:7.3f}, host {m.host_ms:7.3f}, exposed {m.exposed_ms:7.3f}", flush=True)
-                if not args.no_profile:
-                    key = f"batch{batch}_{'lora' if lora else 'base'}"
-                    profiles[key] = host_profile(setup, batch, lora, args.steps)
-                    print(f"  host functions by own time ({key}), ms/step:")
-                    for row in profiles[key]:
-                        print(f"    {row['tottime_ms_per_step']:7.3f}  {row['calls_per_step']:8.1f}  {row['function']}")
+        modes = {"off": [False], "on": [True], "both": [False, True]}[args.async_scheduling]
+        for batch, lora, overlapped in itertools.product(args.batches, (False, True), modes):
+            setup.async_scheduling = overlapped
+            m = measure(setup, batch, lora, args.steps)
+            results.append(m)
+            print(f"{m.device} batch {m.batch:4d} lora {m.lora!s:5} async {m.async_scheduling!s:5}: "
+                  f"wall {m.wall_ms:7.3f} ms/step, model {m.model_ms:7.3f}, host {m.host_ms:7.3f}, "
+                  f"exposed {m.exposed_ms:7.3f}", flush=True)
+            if not args.no_profile:
+                key = f"batch{batch}_{'lora' if lora else 'base'}{'_async' if overlapped else ''}"
+                profiles[key] = host_profile(setup, batch, lora, args.steps)
+                print(f"  host functions by own time ({key}), ms/step:")
+                for row in profiles[key]:
+                    print(f"    {row['tottime_ms_per_step']:7.3f}  {row['calls_per_step']:8.1f}  {row['function']}")
     if args.out:
         args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()},
                                         "results": [asdict(m) for m in results], "profiles": profiles}, indent=1))

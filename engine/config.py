@@ -24,6 +24,10 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     allow_pickle_adapters: bool = False
     enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
+    # launch a greedy decode step before reading the previous one's tokens back, so the host's
+    # bookkeeping overlaps the GPU (CUDA-graph decode steps, one process; otherwise steps are synchronous)
+    async_scheduling: bool = True
+    async_scheduling_eager: bool = False  # overlap eager decode steps too (CPU tests: the same code, no gain)
     tensor_parallel_size: int = 1  # ranks (one process and one GPU each) the model is sharded over
     load_format: str = "auto"  # "dummy": random weights at the checkpoint's shapes (benchmarks)
     seed: int = 0

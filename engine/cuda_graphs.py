@@ -13,7 +13,7 @@ import torch
 import kernels
 
 from .model import LlamaForCausalLM
-from .step_input import AttentionMetadata, StepInput
+from .step_input import AttentionMetadata, DeviceTokens, StepInput
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -55,12 +55,14 @@ class DecodeGraphs:
         self.num_lora_slots = num_lora_slots
         self.buckets = default_buckets(max_num_seqs)
         top = self.buckets[-1]
-        # one row per per-token input (token id, position, KV slot, context length, adapter slot), all
-        # copied in one transfer; a padding row's values
-        self._padding_row = np.array([0, 0, scratch_block * block_size, 1, -1], dtype=np.int64)[:, None]
-        rows = torch.from_numpy(self._padding_row).expand(5, top).contiguous()
+        # one row per per-token input (token id, position, KV slot, context length, adapter slot, and
+        # the row of an input id left on the device by the previous step), all copied in one transfer;
+        # a padding row's values
+        self._padding_row = np.array([0, 0, scratch_block * block_size, 1, -1, 0], dtype=np.int64)[:, None]
+        rows = torch.from_numpy(self._padding_row).expand(6, top).contiguous()
         self._device_rows = rows.to(device)
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots = self._device_rows
+        (self.input_ids, self.positions, self.slot_mapping, self.context_lens, self.lora_slots,
+         self.token_rows) = self._device_rows
         self.block_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long, device=device)
         # page-locked staging, reused every step, so the host-to-device copies are asynchronous; numpy
         # views write Python lists into it without building tensors
@@ -68,6 +70,9 @@ class DecodeGraphs:
         self._host_tables = torch.full((top, max_blocks_per_seq), scratch_block, dtype=torch.long).pin_memory()
         self._rows = self._host_rows.numpy()
         self._tables = StagedBlockTables(self._host_tables.numpy(), scratch_block)
+        # recorded after each step's copies: the staging is rewritten only once they are done (with
+        # async scheduling the host can get here before the GPU reaches the last step's copies)
+        self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.lora_meta: dict[int, object] = {}
@@ -108,10 +113,12 @@ class DecodeGraphs:
         return batch <= self.buckets[-1]
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
-            lora_slots: list[int]) -> torch.Tensor:
-        """Hidden states [B, hidden] of one decode token per sequence."""
+            lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
+        """Hidden states [B, hidden] of one decode token per sequence. With device_tokens, the input
+        ids are gathered from it on the device (input_ids only hold placeholders)."""
         batch = len(input_ids)
         size = next(b for b in self.buckets if b >= batch)
+        self._copied.synchronize()
         self._tables.stage(block_tables, size)
         rows, bs = self._rows, self.block_size
         rows[0, :batch] = input_ids
@@ -120,8 +127,13 @@ class DecodeGraphs:
         rows[2, :batch] = self._tables.array[np.arange(batch), position // bs] * bs + position % bs
         rows[3, :batch] = position + 1
         rows[4, :batch] = lora_slots
+        if device_tokens is not None:
+            rows[5, :batch] = device_tokens.rows
         rows[:, batch:size] = self._padding_row
         self._device_rows.copy_(self._host_rows, non_blocking=True)  # a graph reads only its bucket's columns
         self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
+        self._copied.record()
+        if device_tokens is not None:
+            torch.index_select(device_tokens.tokens, 0, self.token_rows[:batch], out=self.input_ids[:batch])
         self.graphs[size].replay()
         return self.outputs[size][:batch]

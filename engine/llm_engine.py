@@ -24,6 +24,7 @@ from .model_loader import (
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
 from .sampler import (
+    PendingTokens,
     SampledToken,
     Sampler,
     SamplingRow,
@@ -34,7 +35,8 @@ from .sampler import (
 )
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler
-from .sequence import Request, Sequence, SequenceStatus
+from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
+from .step_input import DeviceTokens
 
 logger = logging.getLogger("loraserve.engine")
 
@@ -42,6 +44,15 @@ logger = logging.getLogger("loraserve.engine")
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class InFlightStep:
+    """A greedy decode step launched but whose tokens the host has not read (async scheduling)."""
+
+    seqs: list[Sequence]  # one per sampled row, in order
+    tokens: PendingTokens
+    rows: dict[int, int]  # seq_id -> its row in tokens
 
 
 @dataclass
@@ -104,6 +115,11 @@ class LLMEngine:
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)
         if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
+        # the overlap needs the host to run ahead of the device: CUDA graphs, one process (a test may
+        # take the same path with eager steps)
+        self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1 and (
+            self.runner.graphs is not None or config.async_scheduling_eager)
+        self._in_flight: InFlightStep | None = None
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         self.requests: dict[str, Request] = {}
@@ -235,12 +251,14 @@ class LLMEngine:
             return None
         for seq in request.sequences:
             if seq.status is not SequenceStatus.FINISHED:
+                seq.drop_in_flight_token()  # its step's token is dropped when read back
                 self.scheduler.finish(seq)
                 seq.finish_reason = "abort"
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
+        """True while a request runs, or a step's tokens are still to be read back."""
+        return bool(self.requests) or self._in_flight is not None
 
     def take_errors(self) -> dict[str, BaseException]:
         """Requests the engine had to give up on since the last call (their adapter's weights could not
@@ -258,7 +276,15 @@ class LLMEngine:
         """One forward pass. Detokenizing the previous step's tokens (and matching stop strings) and
         building their outputs run while the GPU computes this one, so a sequence ended by a stop
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
-        by one step."""
+        by one step.
+
+        Async scheduling: a greedy decode step is left in flight; the next step is scheduled and
+        launched first, its input ids taken on the device from the in-flight tokens, and only then
+        are the in-flight tokens read back and appended. The outputs are the same, one step later; a
+        sequence that ended in the step read back had one more token computed, which is dropped.
+        Anything else first drains the step in flight and returns its outputs."""
+        if self._in_flight is not None:
+            return self._step_after_in_flight()
         plan = self.scheduler.schedule()
         for seq, error in plan.failed:
             self._fail(seq.request, error)
@@ -267,6 +293,8 @@ class LLMEngine:
                 self.lora_manager.wait_for_reads(timeout=0.1)
             return [self._output(request) for request in self._finish_detokenization().values()]
         scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
+        if self._may_leave_in_flight(scheduled):
+            return self._launch_in_flight(scheduled, None)
         slots = self._adapter_slots(scheduled)
         result = self.runner.execute(scheduled, slots)
         self._record_prompt_logprobs(scheduled, result)
@@ -280,15 +308,68 @@ class LLMEngine:
         sampled = self._sample(logits, [scheduled[i].seq for i in sampling]) if sampling else []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        for i, token in zip(sampling, sampled):
-            seq = scheduled[i].seq
-            if seq.status is SequenceStatus.FINISHED:  # ended by a stop string found above
+        self._append_sampled([scheduled[i].seq for i in sampling], sampled, outputs)
+        return list(outputs.values())
+
+    def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
+        """A step may stay in flight when the next can be launched before its tokens are read: it decodes
+        every running sequence and nothing waits (so the next step is a decode of the same sequences,
+        scheduler.schedule_decode), on the fast path, with plain greedy tokens (they stay plain greedy:
+        the sequences only grow)."""
+        return (self.async_scheduling and not self.scheduler.waiting
+                and len(scheduled) == len(self.scheduler.running)
+                and (self.runner.replays_graph(len(scheduled)) or self.runner.graphs is None)
+                and all(item.num_new_tokens == 1 and item.samples and is_plain_greedy(
+                    item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens)
+                    for item in scheduled))
+
+    def _step_after_in_flight(self) -> list[RequestOutput]:
+        previous, self._in_flight = self._in_flight, None
+        plan = self.scheduler.schedule_decode()
+        if plan is None:  # not a decode of the same sequences: drain, and schedule afresh next step
+            return list(self._read_back(previous).values())
+        return self._launch_in_flight(plan.scheduled, previous)
+
+    def _launch_in_flight(self, scheduled: list[ScheduledSequence],
+                          previous: InFlightStep | None) -> list[RequestOutput]:
+        """Launch a greedy decode step (its inputs from `previous`'s tokens on the device), then read
+        `previous` back while the device computes it; the step stays in flight."""
+        seqs = [item.seq for item in scheduled]
+        device_tokens = None
+        if previous is not None:
+            device_tokens = DeviceTokens(previous.tokens.token_ids, [previous.rows[seq.seq_id] for seq in seqs])
+        result = self.runner.execute(scheduled, self._adapter_slots(scheduled), device_tokens)
+        tokens = self.sampler.greedy_pending(self.model.compute_logits(result.hidden))
+        for seq in seqs:
+            seq.num_computed_tokens += 1
+        self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)})
+        outputs = self._read_back(previous)
+        for seq in seqs:  # after the outputs: they never show a placeholder
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.token_ids.append(IN_FLIGHT_TOKEN)
+        return list(outputs.values())
+
+    def _read_back(self, step: InFlightStep | None) -> dict[str, RequestOutput]:
+        """What a synchronous step does after its forward, for the step in flight: detokenize the tokens
+        appended before, then wait for its tokens and append them (none for a sequence that ended)."""
+        seqs = step.seqs if step is not None else []
+        for seq in seqs:
+            seq.drop_in_flight_token()
+        outputs = {request_id: self._output(request)
+                   for request_id, request in self._finish_detokenization().items()}
+        if step is not None:
+            self._append_sampled(seqs, step.tokens.result(), outputs)
+        return outputs
+
+    def _append_sampled(self, seqs: list[Sequence], sampled: list[SampledToken],
+                        outputs: dict[str, RequestOutput]) -> None:
+        for seq, token in zip(seqs, sampled):
+            if seq.status is SequenceStatus.FINISHED:  # ended by a stop string found above, or earlier
                 continue
             if self._append_token(seq, token):
                 self._pending_detokenization.append((seq, token.token_id))
             else:  # one output per request and step: this newer one replaces any built above
                 outputs[seq.request.request_id] = self._output(seq.request)
-        return list(outputs.values())
 
     def _finish_detokenization(self) -> dict[str, Request]:
         """Detokenize the tokens the last step appended; end sequences whose stop string matched."""

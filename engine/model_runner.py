@@ -9,7 +9,7 @@ import kernels
 
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledSequence
-from .step_input import AttentionMetadata, StepInput
+from .step_input import AttentionMetadata, DeviceTokens, StepInput
 
 
 @dataclass
@@ -76,16 +76,29 @@ class ModelRunner:
                                    scratch_block=scratch_block, block_size=self.block_size,
                                    num_lora_slots=self.num_lora_slots, device=self.device)
 
+    def replays_graph(self, batch: int) -> bool:
+        """True when a decode-only step of `batch` sequences replays a CUDA graph."""
+        return self.graphs is not None and self.graphs.fits(batch)
+
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepResult:
-        if self.graphs is not None and self.graphs.fits(len(scheduled)) and \
-                all(item.num_new_tokens == 1 for item in scheduled):
+    def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],
+                device_tokens: DeviceTokens | None = None) -> StepResult:
+        """device_tokens: for a decode-only step, the input ids to take on the device instead of from
+        the sequences' token_ids (which hold placeholders for them)."""
+        decode_only = all(item.num_new_tokens == 1 for item in scheduled)
+        if device_tokens is not None and not decode_only:
+            raise ValueError("input ids on the device need a decode-only step")
+        if decode_only and self.replays_graph(len(scheduled)):
             seqs = [item.seq for item in scheduled]
             hidden = self.graphs.run([s.token_ids[s.num_computed_tokens] for s in seqs],
                                      [s.num_computed_tokens for s in seqs], [s.block_table for s in seqs],
-                                     adapter_slots)
+                                     adapter_slots, device_tokens)
         else:
-            hidden = self.model(self.build_step(scheduled, adapter_slots), self.kv_caches)
+            step = self.build_step(scheduled, adapter_slots)
+            if device_tokens is not None:  # one input id per sequence, in order
+                rows = torch.tensor(device_tokens.rows, dtype=torch.long, device=self.device)
+                torch.index_select(device_tokens.tokens, 0, rows, out=step.input_ids)
+            hidden = self.model(step, self.kv_caches)
         starts, offset = [], 0
         for item in scheduled:
             starts.append(offset)

@@ -36,6 +36,34 @@ class SampledToken:
     top_logprobs: dict[int, float] | None = None
 
 
+class PendingTokens:
+    """One step's greedy tokens: on the device for the next step's inputs, and on their way to
+    page-locked host memory, so reading them waits for this step's work alone (a .tolist() would
+    also wait for every step launched after it)."""
+
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor):
+        self.token_ids = token_ids  # [B] int64, on the device
+        self._event = None
+        if token_ids.is_cuda:
+            token_ids = _to_host(token_ids)
+            logprobs = _to_host(logprobs)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._host = token_ids, logprobs
+
+    def result(self) -> list[SampledToken]:
+        """Waits for the tokens (only for the step that sampled them)."""
+        if self._event is not None:
+            self._event.synchronize()
+        token_ids, logprobs = self._host
+        return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
 def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
     """The generator for completion `index` of a request with `seed` (vLLM seeds child i with seed + i)."""
     generator = torch.Generator(device=device)
@@ -83,10 +111,18 @@ class Sampler:
     @torch.no_grad()
     def greedy(self, logits: torch.Tensor) -> list[SampledToken]:
         """What __call__ returns when every row is_plain_greedy, without looking at the rows."""
+        token_ids, logprobs = self._greedy(logits)
+        return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
+
+    @torch.no_grad()
+    def greedy_pending(self, logits: torch.Tensor) -> PendingTokens:
+        """greedy's tokens left on the device, their copy to the host started but not waited for."""
+        return PendingTokens(*self._greedy(logits))
+
+    def _greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raw = logits[:, : self.vocab_size].float()
         values, token_ids = raw.max(dim=-1)  # the first maximum, as argmax takes; its value, as gather reads
-        logprobs = values - torch.logsumexp(raw, dim=-1)
-        return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
+        return token_ids, values - torch.logsumexp(raw, dim=-1)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:

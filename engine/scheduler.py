@@ -118,6 +118,30 @@ class Scheduler:
             self._admit(output, budget)
         return output
 
+    def schedule_decode(self) -> SchedulerOutput | None:
+        """Every running sequence one token on, when that is exactly what schedule() would do: nothing
+        waits to be admitted, every running sequence is decoding, the token budget holds them all and
+        the blocks they grow into are free (no preemption). None, with nothing changed, otherwise.
+
+        Async scheduling calls it to launch a step before the previous one's tokens are read back.
+        """
+        running = self.running
+        if self.waiting or not running or len(running) > self.max_num_batched_tokens:
+            return None
+        needed = 0
+        for seq in running:
+            if seq.num_uncomputed_tokens != 1:
+                return None
+            needed += self._blocks_needed(seq, 1)
+        if needed > self.allocator.num_free:
+            return None
+        output = SchedulerOutput()
+        for seq in running:
+            if needed and self._blocks_needed(seq, 1):
+                self._grow(seq, 1)
+            output.scheduled.append(ScheduledSequence(seq, 1))
+        return output
+
     def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
         """Preempts the newest running sequences not yet scheduled until `needed` blocks are free; False
         when that took `seq` itself."""

@@ -10,6 +10,10 @@ import torch
 from .lora_request import LoRARequest
 from .outputs import PositionLogprobs
 
+# stands in a sequence's token_ids for a token sampled by a step still on the device (async
+# scheduling): the scheduler counts it, the model runner reads its value on the device
+IN_FLIGHT_TOKEN = -1
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -63,6 +67,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    def drop_in_flight_token(self) -> None:
+        """Forget the placeholder of a token not yet read back (the sequence ended, or it is read now)."""
+        if self.token_ids and self.token_ids[-1] == IN_FLIGHT_TOKEN:
+            self.token_ids.pop()
 
     @property
     def num_uncomputed_tokens(self) -> int:

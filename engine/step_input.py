@@ -27,3 +27,12 @@ class StepInput:
     positions: torch.Tensor  # [T]
     attention: AttentionMetadata
     lora: Any  # kernels.LoRAMetadata, or None when no token uses an adapter
+
+
+@dataclass
+class DeviceTokens:
+    """Input ids of a decode step that are still on the device (async scheduling): scheduled sequence
+    i's is tokens[rows[i]], the token the previous step sampled for it, which the host has not read."""
+
+    tokens: torch.Tensor  # [B_prev] int64, the previous step's sampled tokens
+    rows: list[int]

@@ -70,3 +70,28 @@ def test_embedded_default_in_bfloat16_on_cuda():
     (out,) = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                       SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
     assert "Paris" in out.outputs[0].text
+
+
+def test_async_scheduling_with_cuda_graphs_gives_the_synchronous_tokens(tiny_llama, loras, monkeypatch):
+    """Greedy decode steps replayed from graphs, each launched before the previous one's tokens are read."""
+    prompts = PROMPTS * 4
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=i % 2 == 0) for i in range(len(prompts))]
+    requests = [[None, *loras][i % 4] for i in range(len(prompts))]
+    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, block_size=4)
+    sync = LLM(str(tiny_llama), async_scheduling=False, **kwargs).generate(prompts, params, requests, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **kwargs)
+    overlapped = []
+    execute = llm.engine.runner.execute
+
+    def counting(scheduled, slots, device_tokens=None):
+        overlapped.append(device_tokens is not None)
+        return execute(scheduled, slots, device_tokens)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", counting)
+    outputs = llm.generate(prompts, params, requests, use_tqdm=False)
+    assert [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs] == \
+        [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in sync]
+    assert sum(overlapped) >= 10
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks

@@ -1,0 +1,283 @@
+"""Async scheduling: a greedy decode step is launched before the previous step's tokens are read back.
+
+The engine runs the same code on the CPU with eager steps (`async_scheduling_eager`); every test
+compares it with the same engine run synchronously, token for token, and checks that nothing (KV
+blocks, requests, adapter pins) is left behind.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engine import LLM, AsyncEngine, LoRARequest, SamplingParams
+from engine.sequence import IN_FLIGHT_TOKEN
+from tests.engine.conftest import make_engine
+from tests.tiny_models import make_peft_adapter
+
+PROMPTS = ["Hello", "The capital of France is Paris. The capital of Italy is", "def add(a, b):",
+           "SELECT name FROM users", "Ahoy matey", "How are you"]
+EOS_PROMPT = "Ahoy matey"  # the tiny model's greedy continuation reaches EOS at its 12th token
+STOP_STRING = "oday"  # comes up in several of the tiny model's greedy continuations
+
+
+def greedy(max_tokens: int = 12, **kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **{"ignore_eos": True, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama):
+    """(synchronous, async) engines on the tiny Llama, a block size of 4 so decode steps often grow tables."""
+    return make_engine(tiny_llama, async_scheduling=False, block_size=4), \
+        make_engine(tiny_llama, async_scheduling_eager=True, block_size=4)
+
+
+class Run:
+    """Steps an engine to the end, keeping every output it streams; counts the steps launched with
+    their input ids still on the device (the previous step in flight)."""
+
+    def __init__(self, engine, monkeypatch):
+        self.engine = engine
+        self.streamed: dict[str, list] = {}
+        self.final: dict[str, object] = {}
+        self.overlapped_steps = 0
+        execute = engine.runner.execute
+
+        def counting(scheduled, slots, device_tokens=None):
+            self.overlapped_steps += device_tokens is not None
+            return execute(scheduled, slots, device_tokens)
+
+        monkeypatch.setattr(engine.runner, "execute", counting)
+
+    def add(self, prompt, params, lora=None) -> str:
+        return self.engine.add_request(prompt, params, lora)
+
+    def step(self) -> None:
+        for output in self.engine.step():
+            self.keep(output)
+
+    def keep(self, output) -> None:
+        self.streamed.setdefault(output.request_id, []).append(output)
+        if output.finished:
+            self.final[output.request_id] = output
+
+    def to_end(self) -> "Run":
+        while self.engine.has_unfinished_requests():
+            self.step()
+        return self
+
+
+def run(engine, monkeypatch, requests, *, lora=None) -> tuple[list, Run]:
+    """requests: (prompt, params) pairs, or (prompt, params, lora) triples; their final outputs in order."""
+    r = Run(engine, monkeypatch)
+    ids = [r.add(*request) for request in requests]
+    r.to_end()
+    return [r.final[i] for i in ids], r
+
+
+def summary(output) -> list[tuple]:
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, pytest.approx(c.cumulative_logprob, abs=1e-4))
+            for c in output.outputs]
+
+
+def assert_same(sync_outputs, async_outputs) -> None:
+    assert [summary(o) for o in async_outputs] == [summary(o) for o in sync_outputs]
+
+
+def assert_streams_consistent(r: Run) -> None:
+    """No output ever shows a placeholder or a token the request does not end with."""
+    for request_id, outputs in r.streamed.items():
+        final = r.final[request_id]
+        for output in outputs:
+            for completion, last in zip(output.outputs, final.outputs):
+                assert IN_FLIGHT_TOKEN not in completion.token_ids
+                assert completion.token_ids == last.token_ids[:len(completion.token_ids)]
+
+
+def assert_nothing_left(engine) -> None:
+    assert not engine.has_unfinished_requests()
+    assert not engine.requests
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+    if engine.lora_manager is not None:
+        assert all(residency.running == 0 for residency in engine.lora_manager.status().values())
+
+
+def compare(engines, monkeypatch, requests) -> Run:
+    sync, overlapped = engines
+    expected, _ = run(sync, monkeypatch, requests)
+    got, r = run(overlapped, monkeypatch, requests)
+    assert_same(expected, got)
+    assert_streams_consistent(r)
+    assert_nothing_left(sync)
+    assert_nothing_left(overlapped)
+    return r
+
+
+def test_async_scheduling_needs_cuda_graphs_unless_forced(tiny_llama, engines):
+    assert not make_engine(tiny_llama).async_scheduling  # the CPU has no graphs
+    assert not make_engine(tiny_llama, async_scheduling=False, async_scheduling_eager=True).async_scheduling
+    assert engines[1].async_scheduling
+
+
+def test_greedy_decode_steps_overlap_and_give_the_synchronous_tokens(engines, monkeypatch):
+    r = compare(engines, monkeypatch, [(p, greedy(3 + 2 * i)) for i, p in enumerate(PROMPTS)])
+    assert r.overlapped_steps >= 10
+
+
+def test_the_synchronous_engine_never_overlaps(engines, monkeypatch):
+    _, r = run(engines[0], monkeypatch, [(p, greedy()) for p in PROMPTS])
+    assert r.overlapped_steps == 0
+
+
+def test_eos_ends_a_sequence_as_in_sync_mode_and_ignore_eos_runs_past_it(engines, monkeypatch):
+    requests = [(EOS_PROMPT, greedy(20, ignore_eos=False)), (EOS_PROMPT, greedy(20)), (PROMPTS[1], greedy(20))]
+    compare(engines, monkeypatch, requests)
+    expected, _ = run(engines[0], monkeypatch, requests)
+    assert [o.outputs[0].finish_reason for o in expected] == ["stop", "length", "length"]
+    assert len(expected[0].outputs[0].token_ids) < 20
+
+
+def test_stop_token_ids_end_sequences_as_in_sync_mode(engines, monkeypatch):
+    (alone,), _ = run(engines[0], monkeypatch, [(PROMPTS[2], greedy(20))])
+    stop_token = alone.outputs[0].token_ids[5]
+    requests = [(PROMPTS[2], greedy(20, stop_token_ids=[stop_token])), (PROMPTS[3], greedy(20))]
+    compare(engines, monkeypatch, requests)
+    expected, _ = run(engines[0], monkeypatch, requests)
+    assert expected[0].outputs[0].stop_reason == stop_token
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_end_sequences_as_in_sync_mode(engines, monkeypatch, include):
+    requests = [(p, greedy(30, stop=[STOP_STRING], include_stop_str_in_output=include)) for p in PROMPTS]
+    compare(engines, monkeypatch, requests)
+    expected, _ = run(engines[0], monkeypatch, requests)
+    assert sum(o.outputs[0].stop_reason == STOP_STRING for o in expected) >= 2
+
+
+def test_n_completions_per_request_match_sync_mode(engines, monkeypatch):
+    compare(engines, monkeypatch, [(PROMPTS[0], greedy(9, n=3)), (PROMPTS[4], greedy(14, n=2, ignore_eos=False))])
+
+
+def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
+    requests = [(PROMPTS[0], greedy()), (PROMPTS[1], SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
+                (PROMPTS[2], greedy(logprobs=2))]
+    r = compare(engines, monkeypatch, requests)
+    assert r.overlapped_steps == 0
+
+
+def test_steps_overlap_once_min_tokens_are_out(engines, monkeypatch):
+    r = compare(engines, monkeypatch, [(EOS_PROMPT, greedy(20, ignore_eos=False, min_tokens=14)),
+                                       (PROMPTS[0], greedy(20))])
+    assert r.overlapped_steps > 0
+
+
+def test_requests_added_while_a_step_is_in_flight_match_sync_mode(engines, monkeypatch):
+    sync, overlapped = engines
+    finals = []
+    for engine in (sync, overlapped):
+        r = Run(engine, monkeypatch)
+        first = r.add(PROMPTS[1], greedy(16))
+        for _ in range(4):
+            r.step()
+        second = r.add(PROMPTS[2], greedy(8))
+        r.to_end()
+        finals.append([r.final[first], r.final[second]])
+        assert_streams_consistent(r)
+        assert_nothing_left(engine)
+    assert_same(*finals)
+    assert r.overlapped_steps > 0
+
+
+def test_aborting_a_request_in_flight_drops_its_token_and_frees_it(engines, monkeypatch):
+    sync, overlapped = engines
+    requests = [(p, greedy(16)) for p in PROMPTS[:3]]
+    expected, _ = run(sync, monkeypatch, requests)
+    r = Run(overlapped, monkeypatch)
+    ids = [r.add(*request) for request in requests]
+    while r.overlapped_steps < 3:
+        r.step()
+    aborted = overlapped.abort(ids[1])
+    r.keep(aborted)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    r.to_end()
+    assert_streams_consistent(r)
+    tokens = aborted.outputs[0].token_ids
+    assert 0 < len(tokens) < 16 and tokens == expected[1].outputs[0].token_ids[:len(tokens)]
+    assert r.streamed[ids[1]][-1] is aborted  # nothing streamed after the abort
+    assert_same([expected[0], expected[2]], [r.final[ids[0]], r.final[ids[2]]])
+    assert_nothing_left(overlapped)
+
+
+def test_aborting_everything_in_flight_leaves_nothing_behind(engines, monkeypatch):
+    overlapped = engines[1]
+    r = Run(overlapped, monkeypatch)
+    ids = [r.add(p, greedy(16)) for p in PROMPTS]
+    while r.overlapped_steps < 2:
+        r.step()
+    for request_id in ids:
+        overlapped.abort(request_id)
+    assert overlapped.has_unfinished_requests()  # a step is still in flight
+    assert r.engine.step() == []
+    assert_nothing_left(overlapped)
+
+
+def test_preemption_under_a_tiny_kv_cache_gives_the_synchronous_tokens(tiny_llama, monkeypatch):
+    engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, num_kv_blocks=24),
+               make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, num_kv_blocks=24))
+    r = compare(engines, monkeypatch, [(p, greedy(24)) for p in PROMPTS])
+    assert engines[1].scheduler.num_preemptions > 0
+    assert r.overlapped_steps > 0
+
+
+def test_a_sequence_may_end_at_max_model_len(tiny_llama, monkeypatch):
+    """The step in flight when it ends computes one token more: its last position must still fit."""
+    engines = (make_engine(tiny_llama, async_scheduling=False, max_model_len=24, block_size=4),
+               make_engine(tiny_llama, async_scheduling_eager=True, max_model_len=24, block_size=4))
+    prompt = engines[0].tokenize(PROMPTS[3])
+    compare(engines, monkeypatch, [(prompt, greedy(24 - len(prompt))), (PROMPTS[0], greedy(None))])
+
+
+@pytest.fixture(scope="module")
+def lora_engines(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("async-adapters")
+    adapters = [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"a{i}", seed=20 + i)))
+                for i in range(3)]
+    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+    return adapters, (make_engine(tiny_llama, async_scheduling=False, **kwargs),
+                      make_engine(tiny_llama, async_scheduling_eager=True, **kwargs))
+
+
+def test_mixed_adapters_match_sync_mode_and_release_their_pins(lora_engines, monkeypatch):
+    adapters, engines = lora_engines
+    loras = [None, *adapters]
+    r = compare(engines, monkeypatch, [(p, greedy(6 + i), loras[i % 4]) for i, p in enumerate(PROMPTS)])
+    assert r.overlapped_steps > 0
+
+
+def test_offline_generate_matches_sync_mode(tiny_llama):
+    params = [greedy(10), greedy(20, ignore_eos=False), greedy(5, n=2)]
+    prompts = [PROMPTS[0], EOS_PROMPT, PROMPTS[2]]
+    outputs = [LLM(str(tiny_llama), device="cpu", dtype="float32", **kwargs).generate(prompts, params, use_tqdm=False)
+               for kwargs in ({"async_scheduling": False}, {"async_scheduling_eager": True})]
+    assert_same(*outputs)
+
+
+def test_the_async_front_streams_the_synchronous_tokens(engines, monkeypatch):
+    sync, overlapped = engines
+    expected, _ = run(sync, monkeypatch, [(p, greedy()) for p in PROMPTS])
+    front = AsyncEngine(engine=overlapped)
+
+    async def collect(prompt):
+        return [o async for o in front.generate(prompt, greedy())]
+
+    async def main():
+        return await asyncio.gather(*(collect(p) for p in PROMPTS))
+
+    try:
+        streams = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert_same(expected, [stream[-1] for stream in streams])
+    assert not any(o.finished for stream in streams for o in stream[:-1])
+    assert_nothing_left(overlapped)
