@@ -157,11 +157,12 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     decode_walls, batch_sizes, timeline = [], [], []
     before = engine.stats()
     while engine.has_unfinished_requests():
+        prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
         t = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t
         after = engine.stats()
-        decode_only = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
+        decode_only = prefilled and after.num_waiting == before.num_waiting  # nothing admitted or preempted
         batch_sizes.append(after.num_running)
         if decode_only:
             decode_walls.append(wall)

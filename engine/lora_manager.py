@@ -1,25 +1,28 @@
 """Adapter residency: `max_loras` device slots, an LRU host cache, and per-adapter pins.
 
-A slot holds one adapter's A and B for every projection, zero-padded to `max_lora_rank`, in
-stacked per-module tensors the model's `LoRALinear`s read by slot index. A slot is pinned while a
-running sequence uses it; only unpinned slots are evicted (least recently used first). Host copies
-(in the model dtype, one page-locked buffer per adapter on CUDA) are kept for up to `max_cpu_loras`
-adapters. A request's adapter is only checked when the request arrives (config and weight-file
-header); its weights are read on a background thread when the scheduler first wants it, a few
+A slot holds one adapter's A and B for every projection, zero-padded to `max_lora_rank`, as one row
+of a device buffer (`SlotLayout`); the model's `LoRALinear`s read views of it by slot index. A slot
+is pinned while a running sequence uses it; only unpinned slots are evicted (least recently used
+first). Host copies use the same layout, in a pool of `max_cpu_loras` rows allocated (and page-locked
+on CUDA) once, so serving never allocates pinned memory and a slot load is one asynchronous copy.
+A request's adapter is only checked when the request arrives (config and weight-file header); its
+weights are read into a host row on a background thread when the scheduler first wants it, a few
 adapters ahead at most, and again later if its host copy was evicted.
 """
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from adapters_registry import LoadedAdapter, ModelInfo, check_adapter, load_adapter
 
+from .lora_layout import SlotLayout
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
 
@@ -50,24 +53,25 @@ class LoRAManager:
         self.adapter_transform = adapter_transform
         self.on_slot_load = on_slot_load
         self.num_slots = max_loras
-        self._layers = model.lora_layers()
-        for linear in self._layers.values():
-            linear.lora_a = [torch.zeros(max_loras, max_lora_rank, linear.in_features, dtype=dtype, device=device)
-                             for _ in linear.out_sizes]
-            linear.lora_b = [torch.zeros(max_loras, size, max_lora_rank, dtype=dtype, device=device)
-                             for size in linear.out_sizes]
+        self.layout = SlotLayout(model.lora_layers(), max_lora_rank)
+        self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
+        self.layout.bind(self._slots)
+        self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda")
+        self._free_rows = list(range(max_cpu_loras))
         self.known: dict[int, LoRARequest] = {}
-        self.host: OrderedDict[int, LoadedAdapter] = OrderedDict()
+        self.host: OrderedDict[int, int] = OrderedDict()  # adapter id -> its row of the host pool, LRU first
         self.slot_owner: list[int | None] = [None] * max_loras
         self.pins: Counter[int] = Counter()
         self.removed: set[int] = set()
         self._clock = itertools.count()
         self._slot_used_at = [0] * max_loras
-        # host-to-device slot loads run on a side stream; the next forward waits on their events
+        # host-to-device slot loads run on a side stream; the next forward waits on their events, and a
+        # reader waits on a row's last copy before overwriting the row
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_loads: list[torch.cuda.Event] = []
+        self._row_copies: dict[int, torch.cuda.Event] = {}
         self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
-        self._reads: dict[int, Future] = {}
+        self._reads: dict[int, tuple[Future, int]] = {}  # adapter id -> (read, the host row it fills)
         self.disk_reads = 0  # adapters read from disk, ever (a high rate: max_cpu_loras is too small)
         self.slot_loads = 0  # adapters copied into a device slot, ever (a high rate: max_loras is too small)
         self._failed_reads: dict[int, BaseException] = {}
@@ -79,9 +83,11 @@ class LoRAManager:
         self.removed.discard(lora_request.lora_int_id)
         self.known[lora_request.lora_int_id] = lora_request
         if adapter is not None:
-            self._cache(lora_request.lora_int_id, self._host_layout(self._transform(adapter)))
+            row = self._reserve_row()
+            self.layout.write(self._transform(adapter), self._pool[row])
+            self._cache(lora_request.lora_int_id, row)
         else:
-            self._host_copy(lora_request)
+            self._host_row(lora_request)
 
     def ensure_loaded(self, lora_requests: Iterable[LoRARequest]) -> None:
         """Check adapters before requests for them are queued, so bad ones fail here. Only the config
@@ -92,7 +98,7 @@ class LoRAManager:
             if self.known.get(lora_request.lora_int_id) != lora_request:
                 self._check_identity(lora_request)
                 check_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
-                self.host.pop(lora_request.lora_int_id, None)
+                self._drop_host_copy(lora_request.lora_int_id)
                 self.known[lora_request.lora_int_id] = lora_request
 
     def remove(self, lora_int_id: int) -> None:
@@ -125,7 +131,9 @@ class LoRAManager:
             return True
         if int_id not in self._reads and int_id not in self._failed_reads and self._may_read(pinnable):
             self.disk_reads += 1
-            self._reads[int_id] = self._reader.submit(self._read, lora_request)
+            row = self._reserve_row()
+            self._reads[int_id] = (self._reader.submit(self._read, lora_request, row, self._row_copies.pop(row, None)),
+                                   row)
         return False
 
     def take_read_error(self, lora_request: LoRARequest) -> BaseException | None:
@@ -136,25 +144,26 @@ class LoRAManager:
     def _may_read(self, pinnable: bool) -> bool:
         """Reads in flight stay within the slots they could fill (or the host cache's free room), so
         an adapter read early is not evicted by the next one before it gets its slot."""
-        if len(self._reads) >= self.MAX_READS_IN_FLIGHT:
+        if len(self._reads) >= min(self.MAX_READS_IN_FLIGHT, self.max_cpu_loras):
             return False
         if len(self.host) + len(self._reads) < self.max_cpu_loras:
             return True
         return pinnable and len(self._reads) < self._takeable_slots()
 
-    def wait_for_reads(self, timeout: float) -> None:
+    def wait_for_reads(self, timeout: float | None) -> None:
         """Block until a background read finishes (or the timeout): for a step that has nothing to
         run but adapters on their way, rather than spinning against the reader threads."""
         if self._reads:
-            wait(list(self._reads.values()), timeout=timeout, return_when=FIRST_COMPLETED)
+            wait([future for future, _ in self._reads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def _collect_reads(self) -> None:
-        for int_id, future in list(self._reads.items()):
+        for int_id, (future, row) in list(self._reads.items()):
             if future.done():
                 del self._reads[int_id]
                 if future.exception() is None:
-                    self._cache(int_id, future.result())
+                    self._cache(int_id, row)
                 else:
+                    self._free_rows.append(row)
                     self._failed_reads[int_id] = future.exception()
 
     def can_pin(self, lora_request: LoRARequest) -> bool:
@@ -209,41 +218,51 @@ class LoRAManager:
         idle = [s for s, owner in enumerate(self.slot_owner) if self.pins[owner] == 0]
         return min(idle, key=lambda s: self._slot_used_at[s])
 
-    def _host_copy(self, lora_request: LoRARequest) -> LoadedAdapter:
+    def _reserve_row(self) -> int:
+        """A host row to read an adapter into: a free one, else the least recently used copy's (a
+        device slot keeps its own copy), else the first row a read in flight fills."""
+        while not self._free_rows:
+            if self.host:
+                self._free_rows.append(self.host.popitem(last=False)[1])
+            else:
+                self.wait_for_reads(timeout=None)
+                self._collect_reads()
+        return self._free_rows.pop()
+
+    def _host_row(self, lora_request: LoRARequest) -> int:
+        """The adapter's host row, read from disk on this thread if it has none."""
         int_id = lora_request.lora_int_id
-        adapter = self.host.get(int_id)
-        if adapter is None:
-            self.disk_reads += 1
-            adapter = self._read(lora_request)
-            self._cache(int_id, adapter)
-        else:
+        row = self.host.get(int_id)
+        if row is not None:
             self.host.move_to_end(int_id)
-        return adapter
+            return row
+        self.disk_reads += 1
+        row = self._reserve_row()
+        try:
+            self._read(lora_request, row, self._row_copies.pop(row, None))
+        except BaseException:
+            self._free_rows.append(row)
+            raise
+        self._cache(int_id, row)
+        return row
 
-    def _read(self, lora_request: LoRARequest) -> LoadedAdapter:
-        """Disk to host: validate, load, shard (tensor parallelism) and lay out one adapter."""
-        adapter = load_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
-        return self._host_layout(self._transform(adapter))
+    def _read(self, lora_request: LoRARequest, row: int, last_copy: torch.cuda.Event | None) -> None:
+        """Disk to host row: validate, load, shard (tensor parallelism) and lay out one adapter. The row
+        is overwritten only once the slot load that last read it has finished."""
+        adapter = self._transform(load_adapter(lora_request.lora_path, self.model_info,
+                                               allow_pickle=self.allow_pickle))
+        if last_copy is not None:
+            last_copy.synchronize()
+        self.layout.write(adapter, self._pool[row])
 
-    def _host_layout(self, adapter: LoadedAdapter) -> LoadedAdapter:
-        """All of an adapter's A and B as views of one buffer in the slot dtype (page-locked on CUDA):
-        half the host memory of float32 and one pinned allocation, so slot loads are plain async copies.
-        The slots hold this dtype anyway, so the rounding is the one a slot load would do."""
-        tensors = [t for w in adapter.modules.values() for t in (w.lora_a, w.lora_b)]
-        flat = torch.empty(sum(t.numel() for t in tensors), dtype=self.dtype,
-                           pin_memory=self.device.type == "cuda")
-        views = flat.split([t.numel() for t in tensors])
-        for view, t in zip(views, tensors):
-            view.copy_(t.reshape(-1))
-        shaped = iter(view.view(t.shape) for view, t in zip(views, tensors))
-        modules = {name: replace(w, lora_a=next(shaped), lora_b=next(shaped)) for name, w in adapter.modules.items()}
-        return replace(adapter, modules=modules, nbytes=flat.nbytes)
+    def _cache(self, int_id: int, row: int) -> None:
+        self._drop_host_copy(int_id)
+        self.host[int_id] = row
 
-    def _cache(self, int_id: int, adapter: LoadedAdapter) -> None:
-        self.host[int_id] = adapter
-        self.host.move_to_end(int_id)
-        while len(self.host) > self.max_cpu_loras:
-            self.host.popitem(last=False)
+    def _drop_host_copy(self, int_id: int) -> None:
+        row = self.host.pop(int_id, None)
+        if row is not None:
+            self._free_rows.append(row)
 
     def wait_for_loads(self) -> None:
         """Make the compute stream wait (on the device, not the host) for slot loads in flight."""
@@ -255,7 +274,7 @@ class LoRAManager:
     def load_slot(self, lora_request: LoRARequest, slot: int) -> None:
         """Load an adapter into a slot chosen elsewhere: a tensor-parallel worker follows the engine's manager."""
         if self.known.get(lora_request.lora_int_id) != lora_request:
-            self.host.pop(lora_request.lora_int_id, None)
+            self._drop_host_copy(lora_request.lora_int_id)
             self.known[lora_request.lora_int_id] = lora_request
         self._load_into_slot(lora_request, slot)
 
@@ -266,38 +285,35 @@ class LoRAManager:
         self.slot_loads += 1
         if self.on_slot_load is not None:
             self.on_slot_load(lora_request, slot)
-        adapter = self._host_copy(lora_request)
+        row = self._host_row(lora_request)
         if self._copy_stream is None:
-            self._copy_weights(adapter, slot)
+            self._slots[slot].copy_(self._pool[row])
         else:
             # the slot may still be read by work queued on the compute stream for its last owner
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                self._copy_weights(adapter, slot)
+                self._slots[slot].copy_(self._pool[row], non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             self._pending_loads.append(event)
+            self._row_copies[row] = event
         self.slot_owner[slot] = lora_request.lora_int_id
-
-    def _copy_weights(self, adapter: LoadedAdapter, slot: int) -> None:
-        for prefix, linear in self._layers.items():
-            parent = prefix.rsplit(".", 1)[0]
-            for i, name in enumerate(linear.names):
-                a, b = linear.lora_a[i][slot], linear.lora_b[i][slot]
-                weights = adapter.modules.get(f"{parent}.{name}")
-                if weights is None:
-                    a.zero_()
-                    b.zero_()
-                    continue
-                r = weights.rank
-                if r < self.max_lora_rank:
-                    a[r:].zero_()
-                    b[:, r:].zero_()
-                a[:r].copy_(weights.lora_a, non_blocking=True)
-                b[:, :r].copy_(weights.lora_b, non_blocking=True)
 
     def _free(self, int_id: int) -> None:
         if int_id in self.slot_owner:
             self.slot_owner[self.slot_owner.index(int_id)] = None
-        self.host.pop(int_id, None)
+        self._drop_host_copy(int_id)
 
+
+def _host_pool(owner: object, rows: int, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
+    """rows × numel host memory, page-locked in place when `pinned` (cudaHostRegister, for as long as
+    `owner` lives): the caching pinned allocator would round it up to a power of two."""
+    pool = torch.empty(rows, numel, dtype=dtype)
+    if pinned:
+        cudart = torch.cuda.cudart()
+        error = cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0)
+        if int(error) != 0:
+            raise RuntimeError(f"could not page-lock {pool.nbytes / 2**30:.1f} GiB for {rows} host adapter copies "
+                               f"(cudaHostRegister error {int(error)}); lower max_cpu_loras")
+        weakref.finalize(owner, cudart.cudaHostUnregister, pool.data_ptr())
+    return pool

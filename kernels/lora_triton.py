@@ -140,8 +140,9 @@ def _shrink_sgmv_kernel(
 
 
 @triton.jit
-def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01):
-    """Map a flat column-chunk index over all slices to (slice, chunk in slice, width, first column, B)."""
+def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, slot):
+    """Map a flat column-chunk index over all slices to (slice, chunk in slice, width, first column, B of
+    `slot`)."""
     in1 = (j >= NB0).to(tl.int32)
     in2 = (j >= NB01).to(tl.int32)
     sl = in1 + in2
@@ -154,13 +155,14 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01):
         b_ptr = b1_ptr
     else:
         b_ptr = b2_ptr
-    return sl, chunk, width, col, b_ptr
+    slot_stride = SB0 + in1 * (SB1 - SB0) + in2 * (SB2 - SB1)
+    return sl, chunk, width, col, b_ptr + slot.to(tl.int64) * slot_stride
 
 
 @triton.jit
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
-    R, N0, N1, N2, NB0, NB01, stride_hn, stride_ht, stride_yt,
+    R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
 ):
     tok = tl.program_id(0)
@@ -168,8 +170,7 @@ def _expand_bgmv_kernel(
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
-    sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
-    b_ptr += slot.to(tl.int64) * width * R
+    sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, slot)
     h_row = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht
     y_row = y_ptr + tok.to(tl.int64) * stride_yt + col
     for g in range(N_BLOCKS):
@@ -189,7 +190,7 @@ def _expand_bgmv_kernel(
 @triton.jit
 def _expand_sgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
-    R, N0, N1, N2, NB0, NB01, stride_hn, stride_ht, stride_yt,
+    R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
@@ -200,11 +201,10 @@ def _expand_sgmv_kernel(
         return
     start = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
-    sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01)
+    sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, slot)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < length
     rows = tl.load(order_ptr + start + offs_m, mask=m_mask, other=0).to(tl.int64)
-    b_ptr += slot.to(tl.int64) * width * R
     h_rows = h_ptr + sl * stride_hn + rows[:, None] * stride_ht
     y_rows = y_ptr + rows[:, None] * stride_yt + col
     for g in range(N_BLOCKS):
@@ -247,6 +247,12 @@ def _padded(seq: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(seq) + [seq[0]] * (MAX_SLICES - len(seq))
 
 
+def _slot_stacks(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Stacked slot tensors [S, rows, cols] as the kernels read them: each slot's matrix contiguous, any
+    stride between slots (the engine's slots are views of one [S, slot size] buffer)."""
+    return [t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in stacks]
+
+
 def _check_tokens(meta: LoRAMetadata, num_tokens: int) -> None:
     if meta.num_tokens != num_tokens:
         raise ValueError(f"metadata was prepared for {meta.num_tokens} tokens, the input has {num_tokens}")
@@ -268,7 +274,9 @@ def shrink_slices(
     _check_tokens(meta, num_tokens)
     if x.stride(1) != 1:
         x = x.contiguous()
-    a_slices = [a.contiguous() for a in a_slices]
+    a_slices = _slot_stacks(a_slices)
+    if len({a.stride(0) for a in a_slices}) > 1:
+        a_slices = [a.contiguous() for a in a_slices]  # one slot stride for all slices (same shapes)
     if out is None:
         out = torch.empty(n, num_tokens, rank, dtype=torch.float32, device=x.device)
     if num_tokens == 0:
@@ -318,7 +326,7 @@ def expand_slices(
     if y.stride(1) != 1:
         raise ValueError("y must have unit stride along its columns")
     rank = b_slices[0].shape[2]
-    b_slices = [b.contiguous() for b in b_slices]
+    b_slices = _slot_stacks(b_slices)
     path = path or lora_tuning.choose_path(num_tokens)
     cfg = config or lora_tuning.expand_config(path, meta.block_m, rank)
     min_block = 16 if path == "sgmv" else 1
@@ -326,7 +334,8 @@ def expand_slices(
     widths = [b.shape[1] for b in b_slices] + [0] * (MAX_SLICES - len(b_slices))
     blocks = [triton.cdiv(w, cfg.block_n * cfg.n_blocks) for w in widths]
     b0, b1, b2 = _padded(b_slices)
-    common = (rank, *widths, blocks[0], blocks[0] + blocks[1], h.stride(0), h.stride(1), y.stride(0))
+    slot_strides = [b.stride(0) for b in b_slices] + [0] * (MAX_SLICES - len(b_slices))
+    common = (rank, *widths, blocks[0], blocks[0] + blocks[1], *slot_strides, h.stride(0), h.stride(1), y.stride(0))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if path == "bgmv":
         _expand_bgmv_kernel[(num_tokens, sum(blocks))](

@@ -55,6 +55,24 @@ def random_weights(
     return [torch.randn(NUM_SLOTS, *tail, device=device).div(tail[-1] ** 0.5).to(dtype) for tail in shape_tail]
 
 
+def packed_weights(
+    shape_tail: Sequence[Sequence[int]], dtype: torch.dtype, device: str = "cpu"
+) -> list[torch.Tensor]:
+    """Like `random_weights`, but every stack is a view of one [NUM_SLOTS, slot size] buffer, as the
+    engine lays its slots out: slot i of each stack lies in row i, between other stacks' weights (and
+    NaN gaps a kernel that strays would pick up)."""
+    sizes = [tail[0] * tail[1] for tail in shape_tail]
+    buffer = torch.full((NUM_SLOTS, sum(sizes) + 3 * len(sizes)), float("nan"), device=device, dtype=dtype)
+    views, offset = [], 0
+    for tail, size, weights in zip(shape_tail, sizes, random_weights(shape_tail, dtype, device)):
+        offset += 3
+        view = buffer[:, offset:offset + size].view(NUM_SLOTS, *tail)
+        view.copy_(weights)
+        views.append(view)
+        offset += size
+    return views
+
+
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 

@@ -25,6 +25,7 @@ from tests.kernels.lora_cases import (
     NUM_SLOTS,
     PATTERNS,
     expand_reference,
+    packed_weights,
     random_weights,
     relative_error,
     shrink_reference,
@@ -79,10 +80,10 @@ def metadata(pattern: list[int]) -> LoRAMetadata:
     )
 
 
-def check_shrink(impl: Impl, pattern: list[int], dtype: torch.dtype, num_slices: int = 3) -> None:
+def check_shrink(impl: Impl, pattern: list[int], dtype: torch.dtype, num_slices: int = 3, weights=random_weights) -> None:
     slots = slots_tensor(pattern, DEVICE)
     x = torch.randn(len(pattern), K, device=DEVICE).to(dtype)
-    a_slices = random_weights([(RANK, K)] * num_slices, dtype, DEVICE)
+    a_slices = weights([(RANK, K)] * num_slices, dtype, DEVICE)
     out = torch.full((num_slices, len(pattern), RANK), POISON, device=DEVICE)
     h = impl.shrink(x, a_slices, metadata(pattern), out)
     ref = shrink_reference(x, a_slices, slots)
@@ -92,12 +93,13 @@ def check_shrink(impl: Impl, pattern: list[int], dtype: torch.dtype, num_slices:
     assert relative_error(h[:, ~base], ref[:, ~base]) <= TOLERANCE[torch.float32]
 
 
-def check_expand(impl: Impl, pattern: list[int], dtype: torch.dtype, widths: tuple[int, ...] = WIDTHS) -> None:
+def check_expand(impl: Impl, pattern: list[int], dtype: torch.dtype, widths: tuple[int, ...] = WIDTHS,
+                 weights=random_weights) -> None:
     slots = slots_tensor(pattern, DEVICE)
     base = slots < 0
     h = torch.randn(len(widths), len(pattern), RANK, device=DEVICE)
     h[:, base] = float("nan")  # read for a base token, it would spread
-    b_slices = random_weights([(w, RANK) for w in widths], dtype, DEVICE)
+    b_slices = weights([(w, RANK) for w in widths], dtype, DEVICE)
     wide = torch.full((len(pattern), sum(widths) + 5), POISON, dtype=dtype, device=DEVICE)
     wide[:, 2 : 2 + sum(widths)] = torch.randn(len(pattern), sum(widths), device=DEVICE).to(dtype)
     before = wide.clone()
@@ -138,6 +140,14 @@ def test_shrink_with_fewer_slices(impl, num_slices):
 @pytest.mark.parametrize("widths", [(37,), (24, 40)], ids=["one", "two"])
 def test_expand_with_fewer_slices(impl, widths):
     check_expand(impl, PATTERNS["unsorted_with_empty_groups"], torch.float32, widths)
+
+
+def test_shrink_reads_slots_packed_in_one_buffer(impl):
+    check_shrink(impl, PATTERNS["unsorted_with_empty_groups"], torch.bfloat16, weights=packed_weights)
+
+
+def test_expand_reads_slots_packed_in_one_buffer(impl):
+    check_expand(impl, PATTERNS["unsorted_with_empty_groups"], torch.bfloat16, weights=packed_weights)
 
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
