@@ -128,19 +128,17 @@ class Scheduler:
         running = self.running
         if self.waiting or not running or len(running) > self.max_num_batched_tokens:
             return None
-        needed = 0
+        growing = []  # a decode token needs at most one new block
         for seq in running:
             if seq.num_uncomputed_tokens != 1:
                 return None
-            needed += self._blocks_needed(seq, 1)
-        if needed > self.allocator.num_free:
+            if self._blocks_needed(seq, 1):
+                growing.append(seq)
+        if len(growing) > self.allocator.num_free:
             return None
-        output = SchedulerOutput()
-        for seq in running:
-            if needed and self._blocks_needed(seq, 1):
-                self._grow(seq, 1)
-            output.scheduled.append(ScheduledSequence(seq, 1))
-        return output
+        for seq in growing:
+            self._grow(seq, 1)
+        return SchedulerOutput(scheduled=[ScheduledSequence(seq, 1) for seq in running])
 
     def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
         """Preempts the newest running sequences not yet scheduled until `needed` blocks are free; False
