@@ -323,11 +323,17 @@ class LLMEngine:
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens)
                     for item in scheduled))
 
-    def _step_after_in_flight(self) -> list[RequestOutput]:
+    def drain(self) -> list[RequestOutput]:
+        """Read back the step in flight, if any, and return its outputs: afterwards every sequence's
+        token_ids are real tokens (for code that builds a step by hand, like a profiler)."""
         previous, self._in_flight = self._in_flight, None
+        return list(self._read_back(previous).values()) if previous is not None else []
+
+    def _step_after_in_flight(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule_decode()
         if plan is None:  # not a decode of the same sequences: drain, and schedule afresh next step
-            return list(self._read_back(previous).values())
+            return self.drain()
+        previous, self._in_flight = self._in_flight, None
         return self._launch_in_flight(plan.scheduled, previous)
 
     def _launch_in_flight(self, scheduled: list[ScheduledSequence],

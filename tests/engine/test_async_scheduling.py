@@ -283,3 +283,21 @@ def test_the_async_front_streams_the_synchronous_tokens(engines, monkeypatch):
     while overlapped.has_unfinished_requests():  # the front may stop before reading back the last step
         assert overlapped.step() == []
     assert_nothing_left(overlapped)
+
+
+def test_drain_reads_back_the_step_in_flight(engines, monkeypatch):
+    sync, overlapped = engines
+    expected, _ = run(sync, monkeypatch, [(PROMPTS[1], greedy(16))])
+    r = Run(overlapped, monkeypatch)
+    request_id = r.add(PROMPTS[1], greedy(16))
+    while r.overlapped_steps < 2:
+        r.step()
+    for output in overlapped.drain():
+        r.keep(output)
+    (seq,) = overlapped.requests[request_id].sequences
+    assert IN_FLIGHT_TOKEN not in seq.token_ids and seq.num_computed_tokens == len(seq.token_ids) - 1
+    assert overlapped.drain() == []
+    r.to_end()
+    assert_same(expected, [r.final[request_id]])
+    assert_streams_consistent(r)
+    assert_nothing_left(overlapped)
