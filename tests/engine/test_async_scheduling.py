@@ -61,13 +61,13 @@ class Run:
         if output.finished:
             self.final[output.request_id] = output
 
-    def to_end(self) -> "Run":
+    def to_end(self) -> Run:
         while self.engine.has_unfinished_requests():
             self.step()
         return self
 
 
-def run(engine, monkeypatch, requests, *, lora=None) -> tuple[list, Run]:
+def run(engine, monkeypatch, requests) -> tuple[list, Run]:
     """requests: (prompt, params) pairs, or (prompt, params, lora) triples; their final outputs in order."""
     r = Run(engine, monkeypatch)
     ids = [r.add(*request) for request in requests]
@@ -103,7 +103,8 @@ def assert_nothing_left(engine) -> None:
         assert all(residency.running == 0 for residency in engine.lora_manager.status().values())
 
 
-def compare(engines, monkeypatch, requests) -> Run:
+def compare(engines, monkeypatch, requests) -> tuple[list, Run]:
+    """The synchronous engine's final outputs, and the async engine's run, checked against them."""
     sync, overlapped = engines
     expected, _ = run(sync, monkeypatch, requests)
     got, r = run(overlapped, monkeypatch, requests)
@@ -111,7 +112,7 @@ def compare(engines, monkeypatch, requests) -> Run:
     assert_streams_consistent(r)
     assert_nothing_left(sync)
     assert_nothing_left(overlapped)
-    return r
+    return expected, r
 
 
 def test_async_scheduling_needs_cuda_graphs_unless_forced(tiny_llama, engines):
@@ -121,7 +122,7 @@ def test_async_scheduling_needs_cuda_graphs_unless_forced(tiny_llama, engines):
 
 
 def test_greedy_decode_steps_overlap_and_give_the_synchronous_tokens(engines, monkeypatch):
-    r = compare(engines, monkeypatch, [(p, greedy(3 + 2 * i)) for i, p in enumerate(PROMPTS)])
+    _, r = compare(engines, monkeypatch, [(p, greedy(3 + 2 * i)) for i, p in enumerate(PROMPTS)])
     assert r.overlapped_steps >= 10
 
 
@@ -132,8 +133,7 @@ def test_the_synchronous_engine_never_overlaps(engines, monkeypatch):
 
 def test_eos_ends_a_sequence_as_in_sync_mode_and_ignore_eos_runs_past_it(engines, monkeypatch):
     requests = [(EOS_PROMPT, greedy(20, ignore_eos=False)), (EOS_PROMPT, greedy(20)), (PROMPTS[1], greedy(20))]
-    compare(engines, monkeypatch, requests)
-    expected, _ = run(engines[0], monkeypatch, requests)
+    expected, _ = compare(engines, monkeypatch, requests)
     assert [o.outputs[0].finish_reason for o in expected] == ["stop", "length", "length"]
     assert len(expected[0].outputs[0].token_ids) < 20
 
@@ -142,16 +142,14 @@ def test_stop_token_ids_end_sequences_as_in_sync_mode(engines, monkeypatch):
     (alone,), _ = run(engines[0], monkeypatch, [(PROMPTS[2], greedy(20))])
     stop_token = alone.outputs[0].token_ids[5]
     requests = [(PROMPTS[2], greedy(20, stop_token_ids=[stop_token])), (PROMPTS[3], greedy(20))]
-    compare(engines, monkeypatch, requests)
-    expected, _ = run(engines[0], monkeypatch, requests)
+    expected, _ = compare(engines, monkeypatch, requests)
     assert expected[0].outputs[0].stop_reason == stop_token
 
 
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_strings_end_sequences_as_in_sync_mode(engines, monkeypatch, include):
     requests = [(p, greedy(30, stop=[STOP_STRING], include_stop_str_in_output=include)) for p in PROMPTS]
-    compare(engines, monkeypatch, requests)
-    expected, _ = run(engines[0], monkeypatch, requests)
+    expected, _ = compare(engines, monkeypatch, requests)
     assert sum(o.outputs[0].stop_reason == STOP_STRING for o in expected) >= 2
 
 
@@ -162,12 +160,12 @@ def test_n_completions_per_request_match_sync_mode(engines, monkeypatch):
 def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
     requests = [(PROMPTS[0], greedy()), (PROMPTS[1], SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
                 (PROMPTS[2], greedy(logprobs=2))]
-    r = compare(engines, monkeypatch, requests)
+    _, r = compare(engines, monkeypatch, requests)
     assert r.overlapped_steps == 0
 
 
 def test_steps_overlap_once_min_tokens_are_out(engines, monkeypatch):
-    r = compare(engines, monkeypatch, [(EOS_PROMPT, greedy(20, ignore_eos=False, min_tokens=14)),
+    _, r = compare(engines, monkeypatch, [(EOS_PROMPT, greedy(20, ignore_eos=False, min_tokens=14)),
                                        (PROMPTS[0], greedy(20))])
     assert r.overlapped_steps > 0
 
@@ -225,7 +223,7 @@ def test_aborting_everything_in_flight_leaves_nothing_behind(engines, monkeypatc
 def test_preemption_under_a_tiny_kv_cache_gives_the_synchronous_tokens(tiny_llama, monkeypatch):
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, num_kv_blocks=24),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, num_kv_blocks=24))
-    r = compare(engines, monkeypatch, [(p, greedy(24)) for p in PROMPTS])
+    _, r = compare(engines, monkeypatch, [(p, greedy(24)) for p in PROMPTS])
     assert engines[1].scheduler.num_preemptions > 0
     assert r.overlapped_steps > 0
 
@@ -243,7 +241,7 @@ def lora_engines(tiny_llama, tmp_path_factory):
     root = tmp_path_factory.mktemp("async-adapters")
     adapters = [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"a{i}", seed=20 + i)))
                 for i in range(3)]
-    kwargs = dict(enable_lora=True, max_loras=2, max_lora_rank=8, block_size=4)
+    kwargs = {"enable_lora": True, "max_loras": 2, "max_lora_rank": 8, "block_size": 4}
     return adapters, (make_engine(tiny_llama, async_scheduling=False, **kwargs),
                       make_engine(tiny_llama, async_scheduling_eager=True, **kwargs))
 
@@ -251,7 +249,7 @@ def lora_engines(tiny_llama, tmp_path_factory):
 def test_mixed_adapters_match_sync_mode_and_release_their_pins(lora_engines, monkeypatch):
     adapters, engines = lora_engines
     loras = [None, *adapters]
-    r = compare(engines, monkeypatch, [(p, greedy(6 + i), loras[i % 4]) for i, p in enumerate(PROMPTS)])
+    _, r = compare(engines, monkeypatch, [(p, greedy(6 + i), loras[i % 4]) for i, p in enumerate(PROMPTS)])
     assert r.overlapped_steps > 0
 
 
@@ -301,3 +299,24 @@ def test_drain_reads_back_the_step_in_flight(engines, monkeypatch):
     assert_same(expected, [r.final[request_id]])
     assert_streams_consistent(r)
     assert_nothing_left(overlapped)
+
+
+def test_an_adapter_read_error_while_a_step_is_in_flight_fails_only_its_request(lora_engines, monkeypatch, tmp_path):
+    import shutil
+
+    adapters, engines = lora_engines
+    expected, _ = run(engines[0], monkeypatch, [(PROMPTS[1], greedy(16), adapters[0])])
+    overlapped = engines[1]
+    broken = LoRARequest("broken", 50, str(shutil.copytree(adapters[1].lora_path, tmp_path / "broken")))
+    r = Run(overlapped, monkeypatch)
+    good = r.add(PROMPTS[1], greedy(16), adapters[0])
+    while r.overlapped_steps < 2:
+        r.step()
+    doomed = r.add(PROMPTS[2], greedy(16), broken)
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"gone")
+    r.to_end()
+    assert set(overlapped.take_errors()) == {doomed}
+    assert_same(expected, [r.final[good]])
+    assert_streams_consistent(r)
+    assert_nothing_left(overlapped)
+    overlapped.lora_manager.remove(broken.lora_int_id)

@@ -77,7 +77,8 @@ def test_async_scheduling_with_cuda_graphs_gives_the_synchronous_tokens(tiny_lla
     prompts = PROMPTS * 4
     params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=i % 2 == 0) for i in range(len(prompts))]
     requests = [[None, *loras][i % 4] for i in range(len(prompts))]
-    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, block_size=4)
+    kwargs = {"device": "cuda", "dtype": "float32", "enable_lora": True, "max_loras": 4, "max_lora_rank": 16,
+              "block_size": 4}
     sync = LLM(str(tiny_llama), async_scheduling=False, **kwargs).generate(prompts, params, requests, use_tqdm=False)
     llm = LLM(str(tiny_llama), **kwargs)
     overlapped = []
