@@ -78,6 +78,7 @@ class LLM:
                     for request_id in ids:
                         engine.abort(request_id)
                     raise next(iter(errors.values()))
+        engine.drain()  # a step left in flight (async scheduling) only computed tokens that are dropped
         return [finished[request_id] for request_id in ids]
 
 

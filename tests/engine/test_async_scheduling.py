@@ -253,12 +253,13 @@ def test_mixed_adapters_match_sync_mode_and_release_their_pins(lora_engines, mon
     assert r.overlapped_steps > 0
 
 
-def test_offline_generate_matches_sync_mode(tiny_llama):
+def test_offline_generate_matches_sync_mode_and_leaves_no_step_in_flight(tiny_llama):
     params = [greedy(10), greedy(20, ignore_eos=False), greedy(5, n=2)]
     prompts = [PROMPTS[0], EOS_PROMPT, PROMPTS[2]]
-    outputs = [LLM(str(tiny_llama), device="cpu", dtype="float32", **kwargs).generate(prompts, params, use_tqdm=False)
-               for kwargs in ({"async_scheduling": False}, {"async_scheduling_eager": True})]
-    assert_same(*outputs)
+    llms = [LLM(str(tiny_llama), device="cpu", dtype="float32", **kwargs)
+            for kwargs in ({"async_scheduling": False}, {"async_scheduling_eager": True})]
+    assert_same(*(llm.generate(prompts, params, use_tqdm=False) for llm in llms))
+    assert_nothing_left(llms[1].engine)
 
 
 def test_the_async_front_streams_the_synchronous_tokens(engines, monkeypatch):
