@@ -330,7 +330,7 @@ class LLMEngine:
         return list(self._read_back(previous).values()) if previous is not None else []
 
     def _step_after_in_flight(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule_decode()
+        plan = self.scheduler.schedule_decode() if self.async_scheduling else None  # may be switched off live
         if plan is None:  # not a decode of the same sequences: drain, and schedule afresh next step
             return self.drain()
         previous, self._in_flight = self._in_flight, None

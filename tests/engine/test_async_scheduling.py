@@ -157,6 +157,22 @@ def test_n_completions_per_request_match_sync_mode(engines, monkeypatch):
     compare(engines, monkeypatch, [(PROMPTS[0], greedy(9, n=3)), (PROMPTS[4], greedy(14, n=2, ignore_eos=False))])
 
 
+def test_switching_async_scheduling_off_mid_run_drains_and_goes_on_synchronously(engines, monkeypatch):
+    sync, overlapped = engines
+    requests = [(p, greedy(16)) for p in PROMPTS[:3]]
+    expected, _ = run(sync, monkeypatch, requests)
+    r = Run(overlapped, monkeypatch)
+    ids = [r.add(*request) for request in requests]
+    while r.overlapped_steps < 3:
+        r.step()
+    monkeypatch.setattr(overlapped, "async_scheduling", False)
+    overlapped_before = r.overlapped_steps
+    r.to_end()
+    assert r.overlapped_steps == overlapped_before
+    assert_same(expected, [r.final[i] for i in ids])
+    assert_nothing_left(overlapped)
+
+
 def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
     requests = [(PROMPTS[0], greedy()), (PROMPTS[1], SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
                 (PROMPTS[2], greedy(logprobs=2))]
