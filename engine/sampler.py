@@ -41,12 +41,15 @@ class PendingTokens:
     page-locked host memory, so reading them waits for this step's work alone (a .tolist() would
     also wait for every step launched after it)."""
 
-    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor):
+    def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
+                 host: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """host: page-locked buffers for a GPU's tokens (token ids, logprobs), at least B long."""
         self.token_ids = token_ids  # [B] int64, on the device
         self._event = None
         if token_ids.is_cuda:
-            token_ids = _to_host(token_ids)
-            logprobs = _to_host(logprobs)
+            batch = token_ids.shape[0]
+            token_ids = host[0][:batch].copy_(token_ids, non_blocking=True)
+            logprobs = host[1][:batch].copy_(logprobs, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
         self._host = token_ids, logprobs
@@ -59,9 +62,22 @@ class PendingTokens:
         return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 
 
-def _to_host(tensor: torch.Tensor) -> torch.Tensor:
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
+class _HostBuffers:
+    """Two pairs of page-locked (token id, logprob) buffers used in turn, grown to the largest batch
+    seen, so steps allocate no page-locked memory. A pair is reused by the pending tokens after next:
+    the engine reads each step's tokens before it launches the step after the next."""
+
+    def __init__(self):
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None, None]
+        self._turn = 0
+
+    def take(self, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = self._pairs[self._turn]
+        if pair is None or pair[0].shape[0] < batch:
+            pair = self._pairs[self._turn] = (torch.empty(batch, dtype=torch.long, pin_memory=True),
+                                              torch.empty(batch, dtype=torch.float32, pin_memory=True))
+        self._turn ^= 1
+        return pair
 
 
 def make_generator(seed: int, index: int, device: torch.device | str) -> torch.Generator:
@@ -98,6 +114,7 @@ class Sampler:
     def __init__(self, eos_token_ids: set[int], vocab_size: int):
         self.eos_token_ids = set(eos_token_ids)
         self.vocab_size = vocab_size
+        self._host_buffers = _HostBuffers()
 
     def validate(self, params: SamplingParams) -> None:
         """Checks what needs the vocabulary; call when a request arrives, so it fails before it runs."""
@@ -116,8 +133,11 @@ class Sampler:
 
     @torch.no_grad()
     def greedy_pending(self, logits: torch.Tensor) -> PendingTokens:
-        """greedy's tokens left on the device, their copy to the host started but not waited for."""
-        return PendingTokens(*self._greedy(logits))
+        """greedy's tokens left on the device, their copy to the host started but not waited for. Read
+        each one's result() before asking for the one after next (they share host buffers)."""
+        token_ids, logprobs = self._greedy(logits)
+        host = self._host_buffers.take(token_ids.shape[0]) if token_ids.is_cuda else None
+        return PendingTokens(token_ids, logprobs, host)
 
     def _greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raw = logits[:, : self.vocab_size].float()
