@@ -313,11 +313,13 @@ class LLMEngine:
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be launched before its tokens are read: it decodes
-        every running sequence and nothing waits (so the next step is a decode of the same sequences,
-        scheduler.schedule_decode), on the fast path, with plain greedy tokens (they stay plain greedy:
-        the sequences only grow)."""
-        return (self.async_scheduling and not self.scheduler.waiting
-                and len(scheduled) == len(self.scheduler.running)
+        every running sequence and none can be admitted next (nothing waits, or the batch is full and
+        stays full), so the next step may be a decode of the same sequences (scheduler.schedule_decode);
+        on the fast path, with plain greedy tokens (they stay plain greedy: the sequences only grow)."""
+        scheduler = self.scheduler
+        return (self.async_scheduling and len(scheduled) == len(scheduler.running)
+                and (not scheduler.waiting or len(scheduled) >= scheduler.max_num_seqs
+                     and self._batch_stays_full(unplaced=1))
                 and (self.runner.replays_graph(len(scheduled)) or self.runner.graphs is None)
                 and all(item.num_new_tokens == 1 and item.samples and is_plain_greedy(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens)
@@ -330,11 +332,26 @@ class LLMEngine:
         return list(self._read_back(previous).values()) if previous is not None else []
 
     def _step_after_in_flight(self) -> list[RequestOutput]:
-        plan = self.scheduler.schedule_decode() if self.async_scheduling else None  # may be switched off live
+        plan = None
+        if self.async_scheduling and (not self.scheduler.waiting or self._batch_stays_full()):  # may be off live
+            plan = self.scheduler.schedule_decode()
         if plan is None:  # not a decode of the same sequences: drain, and schedule afresh next step
             return self.drain()
         previous, self._in_flight = self._in_flight, None
         return self._launch_in_flight(plan.scheduled, previous)
+
+    def _batch_stays_full(self, unplaced: int = 0) -> bool:
+        """True when no running sequence can end by the step in flight (by its token: no EOS, stop
+        token or length; by a stop string matched when the token before is detokenized): a synchronous
+        engine would find the same running sequences here, so a full batch would admit none either.
+        unplaced: 1 when the in-flight token has no placeholder in token_ids yet."""
+        for seq in self.scheduler.running:
+            params = seq.request.params
+            length = len(seq.token_ids) + unplaced
+            if not params.ignore_eos or params.stop_token_ids or params.stop or \
+                    length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
+                return False
+        return True
 
     def _launch_in_flight(self, scheduled: list[ScheduledSequence],
                           previous: InFlightStep | None) -> list[RequestOutput]:

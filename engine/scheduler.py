@@ -119,14 +119,16 @@ class Scheduler:
         return output
 
     def schedule_decode(self) -> SchedulerOutput | None:
-        """Every running sequence one token on, when that is exactly what schedule() would do: nothing
-        waits to be admitted, every running sequence is decoding, the token budget holds them all and
-        the blocks they grow into are free (no preemption). None, with nothing changed, otherwise.
+        """Every running sequence one token on, when that is exactly what schedule() would do: none can
+        be admitted (nothing waits, or the batch is full), every running sequence is decoding, the token
+        budget holds them all and the blocks they grow into are free (no preemption). None, with nothing
+        changed, otherwise.
 
         Async scheduling calls it to launch a step before the previous one's tokens are read back.
         """
         running = self.running
-        if self.waiting or not running or len(running) > self.max_num_batched_tokens:
+        if not running or len(running) > self.max_num_batched_tokens or \
+                (self.waiting and len(running) < self.max_num_seqs):
             return None
         growing = []  # a decode token needs at most one new block
         for seq in running:

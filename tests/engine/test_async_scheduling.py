@@ -34,17 +34,31 @@ def engines(tiny_llama):
 
 class Run:
     """Steps an engine to the end, keeping every output it streams; counts the steps launched with
-    their input ids still on the device (the previous step in flight)."""
+    their input ids still on the device (the previous step in flight), and notes at each admission
+    how far every running sequence had got (async scheduling must admit exactly when sync mode does)."""
 
     def __init__(self, engine, monkeypatch):
         self.engine = engine
         self.streamed: dict[str, list] = {}
         self.final: dict[str, object] = {}
+        self.admissions: list[list[tuple]] = []
+        schedule = engine.scheduler.schedule
+
+        def recording():
+            plan = schedule()
+            if any(item.seq.num_computed_tokens == 0 for item in plan.scheduled):
+                self.admissions.append(sorted((tuple(s.request.prompt_token_ids), s.index, s.num_computed_tokens)
+                                              for s in engine.scheduler.running))
+            return plan
+
+        monkeypatch.setattr(engine.scheduler, "schedule", recording)
         self.overlapped_steps = 0
+        self.overlapped_with_waiting = 0  # of those, steps launched while requests waited
         execute = engine.runner.execute
 
         def counting(scheduled, slots, device_tokens=None):
             self.overlapped_steps += device_tokens is not None
+            self.overlapped_with_waiting += device_tokens is not None and bool(engine.scheduler.waiting)
             return execute(scheduled, slots, device_tokens)
 
         monkeypatch.setattr(engine.runner, "execute", counting)
@@ -103,12 +117,15 @@ def assert_nothing_left(engine) -> None:
         assert all(residency.running == 0 for residency in engine.lora_manager.status().values())
 
 
-def compare(engines, monkeypatch, requests) -> tuple[list, Run]:
-    """The synchronous engine's final outputs, and the async engine's run, checked against them."""
+def compare(engines, monkeypatch, requests, *, same_admissions: bool = True) -> tuple[list, Run]:
+    """The synchronous engine's final outputs, and the async engine's run, checked against them.
+    same_admissions=False where admissions depend on timing anyway (adapter reads on other threads)."""
     sync, overlapped = engines
-    expected, _ = run(sync, monkeypatch, requests)
+    expected, reference = run(sync, monkeypatch, requests)
     got, r = run(overlapped, monkeypatch, requests)
     assert_same(expected, got)
+    if same_admissions:
+        assert r.admissions == reference.admissions
     assert_streams_consistent(r)
     assert_nothing_left(sync)
     assert_nothing_left(overlapped)
@@ -171,6 +188,26 @@ def test_switching_async_scheduling_off_mid_run_drains_and_goes_on_synchronously
     assert r.overlapped_steps == overlapped_before
     assert_same(expected, [r.final[i] for i in ids])
     assert_nothing_left(overlapped)
+
+
+@pytest.fixture(scope="module")
+def full_engines(tiny_llama):
+    """Engines running at most two sequences, so requests wait while the batch is full."""
+    return make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_seqs=2), \
+        make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_seqs=2)
+
+
+def test_a_full_batch_that_stays_full_overlaps_while_requests_wait(full_engines, monkeypatch):
+    _, r = compare(full_engines, monkeypatch, [(p, greedy(4 + 3 * i)) for i, p in enumerate(PROMPTS)])
+    assert r.overlapped_with_waiting >= 5
+
+
+@pytest.mark.parametrize("may_end", [{"ignore_eos": False}, {"stop": [STOP_STRING]}, {"stop_token_ids": [7]}],
+                         ids=["eos", "stop-string", "stop-token"])
+def test_a_full_batch_that_may_end_any_step_does_not_overlap_while_requests_wait(full_engines, monkeypatch,
+                                                                                   may_end):
+    _, r = compare(full_engines, monkeypatch, [(p, greedy(4 + 3 * i, **may_end)) for i, p in enumerate(PROMPTS)])
+    assert r.overlapped_with_waiting == 0
 
 
 def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
@@ -265,7 +302,8 @@ def lora_engines(tiny_llama, tmp_path_factory):
 def test_mixed_adapters_match_sync_mode_and_release_their_pins(lora_engines, monkeypatch):
     adapters, engines = lora_engines
     loras = [None, *adapters]
-    _, r = compare(engines, monkeypatch, [(p, greedy(6 + i), loras[i % 4]) for i, p in enumerate(PROMPTS)])
+    _, r = compare(engines, monkeypatch, [(p, greedy(6 + i), loras[i % 4]) for i, p in enumerate(PROMPTS)],
+                   same_admissions=False)
     assert r.overlapped_steps > 0
 
 
