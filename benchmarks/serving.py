@@ -20,6 +20,7 @@ import contextlib
 import asyncio
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -227,6 +228,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         engine.step()
     torch.cuda.synchronize()
     wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    engine.drain()  # the running sequences' last tokens are real again (async scheduling leaves one in flight)
     if profile_to is not None:
         profile_to.write_text(_eager_step_profile(engine))
     for request_id in list(engine.requests):
@@ -339,7 +341,8 @@ def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[l
         RESULTS["tensor_parallel"][size] = dict(result, enforce_eager=args.enforce_eager)
         log(f"TP={size}: {result}")
         engine.close()
-        free(engine)
+        del engine
+        release_gpu_memory()
         save(out)
 
 
@@ -351,8 +354,8 @@ def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
     return LLMEngine(config)
 
 
-def free(engine) -> None:
-    del engine
+def release_gpu_memory() -> None:
+    """After the caller dropped its engine: collect it now and return its memory to the device."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -419,7 +422,15 @@ def main() -> None:
                                                               out / "profile_base_b64.txt")
             RESULTS["decode_base_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 0, bandwidth)
             log(f"decode base b64: {RESULTS['decode_base_b64']}")
-        free(engine)
+            if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
+                engine.async_scheduling = False
+                RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)
+                log(f"(a) base, synchronous steps: {RESULTS['a_base_sync']}")
+                RESULTS["decode_base_b64_sync"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
+                log(f"decode base b64, synchronous steps: {RESULTS['decode_base_b64_sync']}")
+                engine.async_scheduling = True
+        del engine
+        release_gpu_memory()
         save(out)
 
     # (b), (c) and the sweep: one engine with 64 slots
@@ -458,7 +469,9 @@ def main() -> None:
             RESULTS["online_64_adapters"] = asyncio.run(run_online())
             log(f"online: {RESULTS['online_64_adapters']}")
             async_engine.shutdown()
-        free(engine)
+            del async_engine
+        del engine
+        release_gpu_memory()
         save(out)
 
     # (d) 1000 adapters, Zipf, 32 slots
@@ -471,7 +484,19 @@ def main() -> None:
                                              timeline_to=out / "timeline_d.json")
         RESULTS["d_1000_zipf"]["distinct_adapters"] = len(set(picks))
         log(f"(d) 1000 zipf: {RESULTS['d_1000_zipf']}")
-        free(engine)
+        if gpu and torch.get_num_threads() == 1 and not over_budget():
+            # the same run with torch's CPU ops on every core (the engine's default on CUDA is one thread):
+            # how much the adapter reads' CPU work slows the engine thread down
+            del engine
+            release_gpu_memory()
+            torch.set_num_threads(os.cpu_count())
+            engine = build_engine(model_dir, args, enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
+            RESULTS["d_1000_zipf_all_cpu_threads"] = offline(engine, batch, [population[i] for i in picks],
+                                                             args.output_len)
+            log(f"(d) with {os.cpu_count()} CPU threads: {RESULTS['d_1000_zipf_all_cpu_threads']}")
+            torch.set_num_threads(1)
+        del engine
+        release_gpu_memory()
         save(out)
 
     if gpu and not args.skip_baseline and not over_budget():
@@ -489,7 +514,8 @@ def main() -> None:
                                           args.output_len)
             log(f"sweep {n}: {RESULTS['sweep'][n]['tok_per_s']:.0f} tok/s")
             save(out)
-        free(engine)
+        del engine
+        release_gpu_memory()
     log(json.dumps(summary(), indent=1))
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -76,6 +77,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def limit_host_threads(device: torch.device) -> None:
+    """On a GPU the host's torch work is bookkeeping and adapter reads. With one intra-op thread each,
+    the threads reading adapters do not crowd out the one launching the GPU work (vLLM's workers run
+    with OMP_NUM_THREADS=1 for the same reason). An OMP_NUM_THREADS the user set wins."""
+    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     """auto: bfloat16 on a GPU, float32 on the CPU (where half precision is slow and inexact)."""
     if dtype == "auto":
@@ -87,6 +96,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        limit_host_threads(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir, self.model_name = resolve_model_dir(config.model, config.revision)
         self.hf_config = load_hf_config(model_dir)

@@ -126,9 +126,6 @@ class LoRAManager:
         int_id = lora_request.lora_int_id
         if int_id in self.slot_owner or int_id in self.host:
             return True
-        self._collect_reads()
-        if int_id in self.host:
-            return True
         if int_id not in self._reads and int_id not in self._failed_reads and self._may_read(pinnable):
             self.disk_reads += 1
             row = self._reserve_row()
@@ -156,7 +153,10 @@ class LoRAManager:
         if self._reads:
             wait([future for future, _ in self._reads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
-    def _collect_reads(self) -> None:
+    def collect_reads(self) -> None:
+        """Cache the reads that have finished (their adapters become ready), or record why they failed.
+        The scheduler calls this once per pass, before asking about any adapter, so a read finishing
+        mid-pass cannot be evicted by a later read-ahead in the same pass before its own turn came."""
         for int_id, (future, row) in list(self._reads.items()):
             if future.done():
                 del self._reads[int_id]
@@ -226,7 +226,7 @@ class LoRAManager:
                 self._free_rows.append(self.host.popitem(last=False)[1])
             else:
                 self.wait_for_reads(timeout=None)
-                self._collect_reads()
+                self.collect_reads()
         return self._free_rows.pop()
 
     def _host_row(self, lora_request: LoRARequest) -> int:

@@ -19,6 +19,7 @@ from .sequence import Sequence, SequenceStatus
 
 
 class AdapterSlots(Protocol):
+    def collect_reads(self) -> None: ...
     def is_ready(self, lora_request: LoRARequest, pinnable: bool) -> bool: ...
     def take_read_error(self, lora_request: LoRARequest) -> BaseException | None: ...
     def can_pin(self, lora_request: LoRARequest) -> bool: ...
@@ -154,6 +155,8 @@ class Scheduler:
 
     def _admit(self, output: SchedulerOutput, budget: int) -> None:
         slots = self.adapter_slots
+        if slots is not None:
+            slots.collect_reads()  # once per pass: a read landing mid-pass could be evicted before its turn
         read_errors: dict[int, BaseException] = {}
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
