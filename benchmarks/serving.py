@@ -20,7 +20,6 @@ import contextlib
 import asyncio
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from engine.lora_manager import LoRAManager  # noqa: E402
+
+READER_THREADS = LoRAManager.READER_THREADS
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
@@ -346,6 +348,17 @@ def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[l
         save(out)
 
 
+def warmup_size(args) -> int:
+    """Requests for a warm-up that fills one prefill chunk, as the measured runs do: the Triton kernels
+    compile for those shapes before the clock starts (a smaller warm-up left them to the first run)."""
+    return max(1, args.max_batched_tokens // args.prompt_len)
+
+
+def _reader_variant(text: str) -> tuple[int, float]:
+    threads, interval_ms = text.split(":")
+    return int(threads), float(interval_ms)
+
+
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
@@ -387,6 +400,8 @@ def main() -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS,
                         help="base: (a) and its decode profile; adapters: (b), (c), online; zipf: (d)")
+    parser.add_argument("--zipf-reader-variants", type=_reader_variant, nargs="*", default=[],
+                        help="extra (d) runs, each THREADS:SWITCH_MS (adapter reader threads, GIL switch interval)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
     args = parser.parse_args()
     began = time.perf_counter()
@@ -414,7 +429,8 @@ def main() -> None:
     # (a) base only
     if WORKLOAD_BASE in args.workloads:
         engine = build_engine(model_dir, args)
-        offline(engine, batch[:8], [None] * 8, 4)
+        warm = warmup_size(args)
+        offline(engine, batch[:warm], [None] * warm, 4)
         RESULTS["a_base"] = offline(engine, batch, [None] * len(batch), args.output_len)
         log(f"(a) base: {RESULTS['a_base']}")
         if gpu:
@@ -447,7 +463,8 @@ def main() -> None:
         sync()
         RESULTS["adapter_host_to_slot_s"] = time.perf_counter() - t
         engine.lora_manager.unpin(requests[0])
-        offline(engine, batch[:8], requests[:8], 4)
+        warm = warmup_size(args)
+        offline(engine, batch[:warm], [requests[i % 8] for i in range(warm)], 4)
         RESULTS["b_one_adapter"] = offline(engine, batch, [requests[0]] * len(batch), args.output_len)
         log(f"(b) one adapter: {RESULTS['b_one_adapter']}")
         RESULTS["c_64_adapters"] = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
@@ -484,17 +501,22 @@ def main() -> None:
                                              timeline_to=out / "timeline_d.json")
         RESULTS["d_1000_zipf"]["distinct_adapters"] = len(set(picks))
         log(f"(d) 1000 zipf: {RESULTS['d_1000_zipf']}")
-        if gpu and torch.get_num_threads() == 1 and not over_budget():
-            # the same run with torch's CPU ops on every core (the engine's default on CUDA is one thread):
-            # how much the adapter reads' CPU work slows the engine thread down
+        for threads, interval_ms in args.zipf_reader_variants:
+            # the same run with other reader-thread counts and GIL switch intervals: how much the adapter
+            # reads' Python work slows the engine thread down
+            if over_budget():
+                break
             del engine
             release_gpu_memory()
-            torch.set_num_threads(os.cpu_count())
+            LoRAManager.READER_THREADS, default_interval = threads, sys.getswitchinterval()
+            sys.setswitchinterval(interval_ms / 1e3)
             engine = build_engine(model_dir, args, enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
-            RESULTS["d_1000_zipf_all_cpu_threads"] = offline(engine, batch, [population[i] for i in picks],
-                                                             args.output_len)
-            log(f"(d) with {os.cpu_count()} CPU threads: {RESULTS['d_1000_zipf_all_cpu_threads']}")
-            torch.set_num_threads(1)
+            variant = offline(engine, batch, [population[i] for i in picks], args.output_len)
+            RESULTS.setdefault("d_reader_variants", []).append(dict(variant, reader_threads=threads,
+                                                                    switch_interval_ms=interval_ms))
+            log(f"(d) with {threads} reader threads, {interval_ms} ms GIL switch interval: {variant}")
+            LoRAManager.READER_THREADS = READER_THREADS
+            sys.setswitchinterval(default_interval)
         del engine
         release_gpu_memory()
         save(out)

@@ -41,6 +41,7 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    async_scheduling: bool = True
     seed: int = 0
     enable_lora: bool = False
     lora_modules: list[AdapterSpec] = field(default_factory=list)
@@ -110,6 +111,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("tensor_parallel_size", "Shard the model over this many GPUs, one worker process each (default 1).",
             "int", env=("NUM_SHARD",)),
     _Option("enforce_eager", "On CUDA, run decode steps eagerly instead of replaying CUDA graphs.", "bool"),
+    _Option("async_scheduling", "On CUDA with graphs, launch a greedy decode step before the previous step's "
+            "tokens are read back (default on; --no-async-scheduling turns it off).", "bool"),
     _Option("seed", "Engine random seed (default 0).", "int"),
     _Option("enable_lora", "Serve LoRA adapters (switched on by itself when adapters are given).", "bool"),
     _Option("lora_modules", "vLLM-style adapters: NAME=PATH or JSON {\"name\",\"path\",\"base_model_name\"}; "
