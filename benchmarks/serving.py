@@ -363,7 +363,8 @@ def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_batched_tokens, **overrides)
+                          max_num_batched_tokens=args.max_batched_tokens, adapter_reader=args.adapter_reader,
+                          **overrides)
     return LLMEngine(config)
 
 
@@ -402,6 +403,8 @@ def main() -> None:
                         help="base: (a) and its decode profile; adapters: (b), (c), online; zipf: (d)")
     parser.add_argument("--zipf-reader-variants", type=_reader_variant, nargs="*", default=[],
                         help="extra (d) runs, each THREADS:SWITCH_MS (adapter reader threads, GIL switch interval)")
+    parser.add_argument("--adapter-reader", choices=("threads", "process"), default="threads",
+                        help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
     args = parser.parse_args()
     began = time.perf_counter()

@@ -23,6 +23,9 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     allow_pickle_adapters: bool = False
+    # where adapter weights are read in the background: "threads", or "process" (a child process filling
+    # shared host memory, so reads never contend for the engine thread's GIL; not with tensor parallelism)
+    adapter_reader: str = "threads"
     enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
     # launch a greedy decode step before reading the previous one's tokens back, so the host's
     # bookkeeping overlaps the GPU (CUDA-graph decode steps, one process; otherwise steps are synchronous)
@@ -46,6 +49,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
+        if self.adapter_reader not in ("threads", "process"):
+            raise ValueError(f"adapter_reader must be 'threads' or 'process', got {self.adapter_reader!r}")
+        if self.adapter_reader == "process" and self.tensor_parallel_size > 1:
+            raise ValueError("adapter_reader='process' does not work with tensor parallelism; use 'threads'")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

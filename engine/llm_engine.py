@@ -182,7 +182,8 @@ class LLMEngine:
         return LoRAManager(self.model, self.model_info, max_loras=self.config.max_loras,
                            max_lora_rank=self.config.max_lora_rank, max_cpu_loras=self.config.max_cpu_loras,
                            device=self.device, dtype=self.dtype,
-                           allow_pickle=self.config.allow_pickle_adapters, **hooks)
+                           allow_pickle=self.config.allow_pickle_adapters,
+                           read_in_process=self.config.adapter_reader == "process", **hooks)
 
     @cached_property
     def model_info(self):

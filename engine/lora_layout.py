@@ -25,9 +25,9 @@ class ProjectionRegion:
 
 class SlotLayout:
     def __init__(self, lora_layers: dict, max_rank: int):
-        """lora_layers: the model's `LoRALinear`s by name (`model.lora_layers()`)."""
+        """lora_layers: the model's `LoRALinear`s by name (`model.lora_layers()`). Only their shapes are
+        kept, so a layout can travel to a reader process."""
         self.max_rank = max_rank
-        self._layers = lora_layers
         self.regions: list[list[ProjectionRegion]] = []  # per layer, one region per slice
         offset = 0
         for prefix, linear in lora_layers.items():
@@ -41,10 +41,10 @@ class SlotLayout:
             self.regions.append(slices)
         self.numel = offset
 
-    def bind(self, slots: torch.Tensor) -> None:
+    def bind(self, slots: torch.Tensor, lora_layers: dict) -> None:
         """Point every layer's `lora_a`/`lora_b` stacks at their regions of `slots` [S, numel]."""
         num_slots, r = slots.shape[0], self.max_rank
-        for linear, slices in zip(self._layers.values(), self.regions):
+        for linear, slices in zip(lora_layers.values(), self.regions):
             linear.lora_a = [slots[:, p.a_offset:p.a_offset + r * p.in_features].view(num_slots, r, p.in_features)
                              for p in slices]
             linear.lora_b = [slots[:, p.b_offset:p.b_offset + p.out_features * r].view(num_slots, p.out_features, r)

@@ -22,6 +22,7 @@ import torch
 
 from adapters_registry import LoadedAdapter, ModelInfo, check_adapter, load_adapter
 
+from .adapter_reader import ProcessReader
 from .lora_layout import SlotLayout
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
@@ -41,9 +42,12 @@ class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False,
                  adapter_transform: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
-                 on_slot_load: Callable[[LoRARequest, int], None] | None = None):
+                 on_slot_load: Callable[[LoRARequest, int], None] | None = None, read_in_process: bool = False):
         """adapter_transform: applied to every adapter before it is cached (tensor parallelism: this rank's
-        shard). on_slot_load: told of every slot load before it happens (tensor parallelism: the workers)."""
+        shard). on_slot_load: told of every slot load before it happens (tensor parallelism: the workers).
+        read_in_process: background reads in a child process (`ProcessReader`) instead of threads."""
+        if read_in_process and adapter_transform is not None:
+            raise ValueError("adapters transformed per rank (tensor parallelism) are read on threads, not in a process")
         self.model_info = model_info
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
@@ -55,8 +59,9 @@ class LoRAManager:
         self.num_slots = max_loras
         self.layout = SlotLayout(model.lora_layers(), max_lora_rank)
         self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
-        self.layout.bind(self._slots)
-        self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda")
+        self.layout.bind(self._slots, model.lora_layers())
+        self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
+                                shared=read_in_process)
         self._free_rows = list(range(max_cpu_loras))
         self.known: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, int] = OrderedDict()  # adapter id -> its row of the host pool, LRU first
@@ -71,6 +76,10 @@ class LoRAManager:
         self._pending_loads: list[torch.cuda.Event] = []
         self._row_copies: dict[int, torch.cuda.Event] = {}
         self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
+        self._process_reader = None
+        if read_in_process:
+            self._process_reader = ProcessReader(self._pool, self.layout, model_info, allow_pickle)
+            weakref.finalize(self, self._process_reader.close)
         self._reads: dict[int, tuple[Future, int]] = {}  # adapter id -> (read, the host row it fills)
         self.disk_reads = 0  # adapters read from disk, ever (a high rate: max_cpu_loras is too small)
         self.slot_loads = 0  # adapters copied into a device slot, ever (a high rate: max_loras is too small)
@@ -129,9 +138,16 @@ class LoRAManager:
         if int_id not in self._reads and int_id not in self._failed_reads and self._may_read(pinnable):
             self.disk_reads += 1
             row = self._reserve_row()
-            self._reads[int_id] = (self._reader.submit(self._read, lora_request, row, self._row_copies.pop(row, None)),
-                                   row)
+            self._reads[int_id] = (self._submit_read(lora_request, row), row)
         return False
+
+    def _submit_read(self, lora_request: LoRARequest, row: int) -> Future:
+        last_copy = self._row_copies.pop(row, None)
+        if self._process_reader is None:
+            return self._reader.submit(self._read, lora_request, row, last_copy)
+        if last_copy is not None:  # rows are reused least recently used first: long finished, in practice
+            last_copy.synchronize()
+        return self._process_reader.submit(lora_request.lora_path, row)
 
     def take_read_error(self, lora_request: LoRARequest) -> BaseException | None:
         """Why the adapter's weights could not be read (the requests waiting for it fail with it);
@@ -305,10 +321,14 @@ class LoRAManager:
         self._drop_host_copy(int_id)
 
 
-def _host_pool(owner: object, rows: int, numel: int, dtype: torch.dtype, *, pinned: bool) -> torch.Tensor:
-    """rows × numel host memory, page-locked in place when `pinned` (cudaHostRegister, for as long as
-    `owner` lives): the caching pinned allocator would round it up to a power of two."""
+def _host_pool(owner: object, rows: int, numel: int, dtype: torch.dtype, *, pinned: bool,
+               shared: bool) -> torch.Tensor:
+    """rows × numel host memory, in shared memory when `shared` (a reader process fills it), page-locked in
+    place when `pinned` (cudaHostRegister, for as long as `owner` lives): the caching pinned allocator
+    would round it up to a power of two."""
     pool = torch.empty(rows, numel, dtype=dtype)
+    if shared:
+        pool.share_memory_()
     if pinned:
         cudart = torch.cuda.cudart()
         error = cudart.cudaHostRegister(pool.data_ptr(), pool.nbytes, 0)

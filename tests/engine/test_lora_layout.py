@@ -34,7 +34,7 @@ def bound(engine):
     layers = engine.model.lora_layers()
     layout = SlotLayout(layers, MAX_RANK)
     slots = torch.full((3, layout.numel), float("nan"))
-    layout.bind(slots)
+    layout.bind(slots, layers)
     return layout, slots, layers
 
 

@@ -1,0 +1,110 @@
+"""Adapter weights read into host-pool rows by a child process instead of threads.
+
+Each read makes about 1500 torch calls, and each call releases and retakes the GIL. On reader
+threads that slows the engine thread's own Python, which is mostly kernel launches, while reads are
+in flight (`benchmarks/reader_contention.py`). The child process does the same work
+(`load_adapter`, then `SlotLayout.write`) into the host pool, which lives in shared memory, so the
+engine's GIL is never contended. `submit` has the thread pool's signature: the `LoRAManager` uses
+either.
+"""
+from __future__ import annotations
+
+import itertools
+import pickle
+import queue
+import threading
+from concurrent.futures import Future
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from adapters_registry import ModelInfo, load_adapter
+
+from .lora_layout import SlotLayout
+
+
+class ProcessReader:
+    def __init__(self, pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool):
+        """pool: the host rows [rows, layout.numel], in shared memory (`Tensor.share_memory_`)."""
+        if not pool.is_shared():
+            raise ValueError("the host pool must be in shared memory for a reader process to fill it")
+        context = mp.get_context("spawn")
+        self._jobs = context.SimpleQueue()
+        self._results = context.Queue()
+        self._process = context.Process(target=_serve, name="lora-reader", daemon=True,
+                                        args=(pool, layout, model_info, allow_pickle, self._jobs, self._results))
+        self._process.start()
+        self._wait_until_ready()
+        self._futures: dict[int, Future] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._listener = threading.Thread(target=self._listen, name="lora-reader-results", daemon=True)
+        self._listener.start()
+
+    def _wait_until_ready(self) -> None:
+        """The child's imports take seconds: pay them while the engine starts, not in its first reads."""
+        while True:
+            try:
+                self._results.get(timeout=1.0)
+                return
+            except queue.Empty:
+                if not self._process.is_alive():
+                    raise RuntimeError(f"the adapter reader process exited at start (code {self._process.exitcode})")
+
+    def submit(self, path: str | Path, row: int) -> Future:
+        """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
+        future: Future = Future()
+        job = next(self._ids)
+        with self._lock:
+            self._futures[job] = future
+        self._jobs.put((job, str(path), row))
+        return future
+
+    def close(self) -> None:
+        """Stop the child (reads in flight finish first); futures still pending fail."""
+        if self._process.is_alive():
+            self._jobs.put(None)
+            self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.kill()
+            self._results.put(None)
+        self._listener.join(timeout=10)
+
+    def _listen(self) -> None:
+        while (message := self._results.get()) is not None:
+            job, error = message
+            with self._lock:
+                future = self._futures.pop(job)
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        with self._lock:
+            pending, self._futures = list(self._futures.values()), {}
+        for future in pending:
+            future.set_exception(RuntimeError("the adapter reader process stopped"))
+
+
+def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
+           jobs, results) -> None:
+    """The child's loop: one read at a time, each answered with (job, None) or (job, the error)."""
+    torch.set_num_threads(1)
+    results.put("ready")
+    while (job := jobs.get()) is not None:
+        job_id, path, row = job
+        try:
+            layout.write(load_adapter(path, model_info, allow_pickle=allow_pickle), pool[row])
+            results.put((job_id, None))
+        except Exception as exc:  # any failure of one read is that read's answer
+            results.put((job_id, _sendable(exc)))
+    results.put(None)
+
+
+def _sendable(exc: Exception) -> Exception:
+    """The error itself when it pickles (AdapterError does), else a RuntimeError that says what it was."""
+    try:
+        pickle.dumps(exc)
+        return exc
+    except Exception:  # unpicklable exceptions come in many kinds
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,104 @@
+"""Adapter reads in a child process (`adapter_reader="process"`): same weights, same tokens, same errors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from adapters_registry import AdapterError, load_adapter
+from engine import LLM, EngineConfig, LoRARequest, SamplingParams
+from engine.adapter_reader import ProcessReader
+from engine.lora_layout import SlotLayout
+from tests.engine.conftest import make_engine
+from tests.tiny_models import make_peft_adapter
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8)
+PROMPTS = ["Hello world", "The capital of France is", "def add(a, b):", "SELECT name FROM"]
+
+
+@pytest.fixture(scope="module")
+def loras(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reader-adapters")
+    specs = [dict(r=8, seed=31), dict(r=4, target_modules=["q_proj", "v_proj"], seed=32), dict(r=16, seed=33)]
+    return [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"a{i}", **spec)))
+            for i, spec in enumerate(specs)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return make_engine(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=16)
+
+
+def test_the_child_process_writes_the_row_the_engine_thread_would(engine, loras):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    pool = torch.full((2, layout.numel), float("nan")).share_memory_()
+    reader = ProcessReader(pool, layout, engine.model_info, allow_pickle=False)
+    try:
+        reader.submit(loras[1].lora_path, 1).result(timeout=60)
+    finally:
+        reader.close()
+    expected = torch.empty(layout.numel)
+    layout.write(load_adapter(loras[1].lora_path, engine.model_info), expected)
+    assert torch.equal(pool[1], expected)
+    assert pool[0].isnan().all()
+
+
+def test_a_failed_read_in_the_child_is_the_futures_error(engine, loras, tmp_path):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    reader = ProcessReader(torch.zeros(1, layout.numel).share_memory_(), layout, engine.model_info, allow_pickle=False)
+    try:
+        with pytest.raises(AdapterError, match="adapter_config.json"):
+            reader.submit(tmp_path, 0).result(timeout=60)
+    finally:
+        reader.close()
+
+
+def test_the_reader_needs_a_shared_pool(engine):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    with pytest.raises(ValueError, match="shared memory"):
+        ProcessReader(torch.zeros(1, layout.numel), layout, engine.model_info, allow_pickle=False)
+
+
+def test_an_engine_reading_in_a_process_gives_the_threads_tokens(tiny_llama, loras):
+    requests = [loras[i % 3] if i % 4 else None for i in range(8)]
+    prompts = [PROMPTS[i % 4] for i in range(8)]
+    outputs = {}
+    for reader in ("threads", "process"):
+        llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+                  adapter_reader=reader)
+        outputs[reader] = [o.outputs[0].token_ids for o in llm.generate(prompts, PARAMS, lora_request=requests,
+                                                                        use_tqdm=False)]
+        assert llm.engine.stats().lora_disk_reads >= 3
+    assert outputs["process"] == outputs["threads"]
+
+
+def test_a_file_broken_after_the_check_fails_only_its_requests_in_process_mode(tiny_llama, loras, tmp_path):
+    import shutil
+
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              adapter_reader="process")
+    engine = llm.engine
+    copy = tmp_path / "broken"
+    shutil.copytree(loras[0].lora_path, copy)
+    broken = LoRARequest("broken", 50, str(copy))
+    good = engine.add_request(PROMPTS[0], PARAMS, loras[1])
+    doomed = engine.add_request(PROMPTS[1], PARAMS, broken)
+    (Path(copy) / "adapter_model.safetensors").write_bytes(b"gone")
+    finished = {}
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step() if o.finished})
+    errors = engine.take_errors()
+    assert set(errors) == {doomed}
+    assert isinstance(errors[doomed], AdapterError) and "corrupt or truncated" in str(errors[doomed])
+    assert good in finished
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(adapter_reader="fork"), "adapter_reader must be"),
+    (dict(adapter_reader="process", tensor_parallel_size=2), "tensor parallelism"),
+])
+def test_bad_adapter_reader_settings_are_refused(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**overrides)
