@@ -174,7 +174,8 @@ def test_n_completions_per_request_match_sync_mode(engines, monkeypatch):
     compare(engines, monkeypatch, [(PROMPTS[0], greedy(9, n=3)), (PROMPTS[4], greedy(14, n=2, ignore_eos=False))])
 
 
-def test_switching_async_scheduling_off_mid_run_drains_and_goes_on_synchronously(engines, monkeypatch):
+def _three_steps_in(engines, monkeypatch):
+    """Three 16-token requests: their sync-mode outputs, and an async run of them three overlapped steps in."""
     sync, overlapped = engines
     requests = [(p, greedy(16)) for p in PROMPTS[:3]]
     expected, _ = run(sync, monkeypatch, requests)
@@ -182,6 +183,12 @@ def test_switching_async_scheduling_off_mid_run_drains_and_goes_on_synchronously
     ids = [r.add(*request) for request in requests]
     while r.overlapped_steps < 3:
         r.step()
+    return expected, r, ids
+
+
+def test_switching_async_scheduling_off_mid_run_drains_and_goes_on_synchronously(engines, monkeypatch):
+    overlapped = engines[1]
+    expected, r, ids = _three_steps_in(engines, monkeypatch)
     monkeypatch.setattr(overlapped, "async_scheduling", False)
     overlapped_before = r.overlapped_steps
     r.to_end()
@@ -241,13 +248,8 @@ def test_requests_added_while_a_step_is_in_flight_match_sync_mode(engines, monke
 
 
 def test_aborting_a_request_in_flight_drops_its_token_and_frees_it(engines, monkeypatch):
-    sync, overlapped = engines
-    requests = [(p, greedy(16)) for p in PROMPTS[:3]]
-    expected, _ = run(sync, monkeypatch, requests)
-    r = Run(overlapped, monkeypatch)
-    ids = [r.add(*request) for request in requests]
-    while r.overlapped_steps < 3:
-        r.step()
+    overlapped = engines[1]
+    expected, r, ids = _three_steps_in(engines, monkeypatch)
     aborted = overlapped.abort(ids[1])
     r.keep(aborted)
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
