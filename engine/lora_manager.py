@@ -6,8 +6,8 @@ is pinned while a running sequence uses it; only unpinned slots are evicted (lea
 first). Host copies use the same layout, in a pool of `max_cpu_loras` rows allocated (and page-locked
 on CUDA) once, so serving never allocates pinned memory and a slot load is one asynchronous copy.
 A request's adapter is only checked when the request arrives (config and weight-file header); its
-weights are read into a host row on a background thread when the scheduler first wants it, a few
-adapters ahead at most, and again later if its host copy was evicted.
+weights are read into a host row on a background thread (or in a child process: `ProcessReader`) when
+the scheduler first wants it, a few adapters ahead at most, and again later if its host copy was evicted.
 """
 from __future__ import annotations
 
@@ -75,11 +75,12 @@ class LoRAManager:
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending_loads: list[torch.cuda.Event] = []
         self._row_copies: dict[int, torch.cuda.Event] = {}
-        self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
-        self._process_reader = None
+        self._reader = self._process_reader = None
         if read_in_process:
             self._process_reader = ProcessReader(self._pool, self.layout, model_info, allow_pickle)
             weakref.finalize(self, self._process_reader.close)
+        else:
+            self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
         self._reads: dict[int, tuple[Future, int]] = {}  # adapter id -> (read, the host row it fills)
         self.disk_reads = 0  # adapters read from disk, ever (a high rate: max_cpu_loras is too small)
         self.slot_loads = 0  # adapters copied into a device slot, ever (a high rate: max_loras is too small)
