@@ -39,13 +39,14 @@ def llama3_8b_layout() -> SlotLayout:
     shape = SHAPES["llama3-8b"]
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
     kv = hidden // shape["num_attention_heads"] * shape["num_key_value_heads"]
-    layers = {}
-    for i in range(shape["num_hidden_layers"]):
-        for prefix, names, sizes, in_features in (("self_attn.qkv_proj", ["q_proj", "k_proj", "v_proj"], [hidden, kv, kv], hidden),
-                                                  ("self_attn.o_proj", ["o_proj"], [hidden], hidden),
-                                                  ("mlp.gate_up_proj", ["gate_proj", "up_proj"], [inter, inter], hidden),
-                                                  ("mlp.down_proj", ["down_proj"], [hidden], inter)):
-            layers[f"model.layers.{i}.{prefix}"] = SimpleNamespace(names=names, out_sizes=sizes, in_features=in_features)
+    linears = {  # the engine's fused projections: names, output sizes, input features
+        "self_attn.qkv_proj": (["q_proj", "k_proj", "v_proj"], [hidden, kv, kv], hidden),
+        "self_attn.o_proj": (["o_proj"], [hidden], hidden),
+        "mlp.gate_up_proj": (["gate_proj", "up_proj"], [inter, inter], hidden),
+        "mlp.down_proj": (["down_proj"], [hidden], inter),
+    }
+    layers = {f"model.layers.{i}.{prefix}": SimpleNamespace(names=names, out_sizes=sizes, in_features=in_features)
+              for i in range(shape["num_hidden_layers"]) for prefix, (names, sizes, in_features) in linears.items()}
     return SlotLayout(layers, 16)
 
 
