@@ -22,6 +22,7 @@ python3 benchmarks/serving.py --shape llama3-8b --out "$OUT" --budget-s $(( left
 # (d) again with adapter reads in a child process (EngineConfig.adapter_reader="process"); its line goes
 # to session.log, its files stay on the machine (seven files come back already)
 if (( SECONDS - began < 470 )); then
+    df -h /dev/shm | tail -1 | sed 's/^/shared memory for the host pool: /' | tee -a "$OUT/session.log"
     python3 benchmarks/serving.py --shape llama3-8b --out /tmp/serving-process-reader --workloads zipf \
         --adapter-reader process --skip-baseline --sweep --budget-s 60 2>&1 | grep "^(d)" | sed 's/^/process reader: /' \
         | tee -a "$OUT/session.log"
