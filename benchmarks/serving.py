@@ -34,8 +34,6 @@ from benchmarks.hbm import measure_bandwidth  # noqa: E402
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from engine.lora_manager import LoRAManager  # noqa: E402
 
-READER_THREADS = LoRAManager.READER_THREADS
-
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
@@ -496,7 +494,8 @@ def main() -> None:
 
     # (d) 1000 adapters, Zipf, 32 slots
     if WORKLOAD_ZIPF in args.workloads and not over_budget():
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
+        zipf_engine = dict(enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
+        engine = build_engine(model_dir, args, **zipf_engine)
         population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         picks = zipf_choice(len(batch), len(population))
         with cpu_profile(out / "profile_d_host.txt" if args.profile_host else None):
@@ -504,6 +503,7 @@ def main() -> None:
                                              timeline_to=out / "timeline_d.json")
         RESULTS["d_1000_zipf"]["distinct_adapters"] = len(set(picks))
         log(f"(d) 1000 zipf: {RESULTS['d_1000_zipf']}")
+        default_threads, default_interval = LoRAManager.READER_THREADS, sys.getswitchinterval()
         for threads, interval_ms in args.zipf_reader_variants:
             # the same run with other reader-thread counts and GIL switch intervals: how much the adapter
             # reads' Python work slows the engine thread down
@@ -511,14 +511,14 @@ def main() -> None:
                 break
             del engine
             release_gpu_memory()
-            LoRAManager.READER_THREADS, default_interval = threads, sys.getswitchinterval()
+            LoRAManager.READER_THREADS = threads
             sys.setswitchinterval(interval_ms / 1e3)
-            engine = build_engine(model_dir, args, enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
+            engine = build_engine(model_dir, args, **zipf_engine)
             variant = offline(engine, batch, [population[i] for i in picks], args.output_len)
             RESULTS.setdefault("d_reader_variants", []).append(dict(variant, reader_threads=threads,
                                                                     switch_interval_ms=interval_ms))
             log(f"(d) with {threads} reader threads, {interval_ms} ms GIL switch interval: {variant}")
-            LoRAManager.READER_THREADS = READER_THREADS
+            LoRAManager.READER_THREADS = default_threads
             sys.setswitchinterval(default_interval)
         del engine
         release_gpu_memory()

@@ -57,9 +57,10 @@ class LoRAManager:
         self.adapter_transform = adapter_transform
         self.on_slot_load = on_slot_load
         self.num_slots = max_loras
-        self.layout = SlotLayout(model.lora_layers(), max_lora_rank)
+        layers = model.lora_layers()
+        self.layout = SlotLayout(layers, max_lora_rank)
         self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
-        self.layout.bind(self._slots, model.lora_layers())
+        self.layout.bind(self._slots, layers)
         self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
                                 shared=read_in_process)
         self._free_rows = list(range(max_cpu_loras))
