@@ -1,4 +1,5 @@
-"""Load one peft LoRA adapter directory into float32 CPU tensors with the scaling folded into B."""
+"""Load one peft LoRA adapter directory into CPU tensors (float32 unless asked otherwise) with the
+scaling folded into B."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,8 +18,8 @@ from .weights import group_lora_tensors, read_tensor_headers, read_tensors
 class LoRAModuleWeights:
     """One module's adapter: delta(x) = (x @ lora_a.T) @ lora_b.T, scaling already in lora_b."""
 
-    lora_a: torch.Tensor  # [rank, in_features], float32, CPU
-    lora_b: torch.Tensor  # [out_features, rank], float32, CPU, scaled
+    lora_a: torch.Tensor  # [rank, in_features], CPU, in the dtype asked for (float32 by default)
+    lora_b: torch.Tensor  # [out_features, rank], CPU, same dtype, scaled
     rank: int
     scaling: float
 
@@ -47,21 +48,28 @@ def _check_sides(module: str, plan: ModulePlan, sides: dict[str, torch.Tensor], 
             raise AdapterError(f"Adapter weight lora_{side} for {module} has shape {list(got)}; expected {list(want)}.")
 
 
-def _module_weights(plan: ModulePlan, sides: dict[str, torch.Tensor]) -> LoRAModuleWeights:
-    lora_a = sides["A"].to(torch.float32).contiguous()
-    lora_b = (sides["B"].to(torch.float32) * plan.scaling).contiguous()
+def _module_weights(plan: ModulePlan, sides: dict[str, torch.Tensor], dtype: torch.dtype) -> LoRAModuleWeights:
+    """B is scaled before it is converted, and in float32 unless its own dtype is already the one asked for,
+    so a bf16 adapter loaded as bf16 gets the bits a float32 load rounded to bf16 would have."""
+    b = sides["B"]
+    lora_a = sides["A"].to(dtype).contiguous()
+    lora_b = ((b if b.dtype == dtype else b.to(torch.float32)) * plan.scaling).to(dtype).contiguous()
     return LoRAModuleWeights(lora_a=lora_a, lora_b=lora_b, rank=plan.rank, scaling=plan.scaling)
 
 
-def load_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = False) -> LoadedAdapter:
+def load_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = False,
+                 dtype: torch.dtype = torch.float32) -> LoadedAdapter:
     """Validate the adapter in a local directory against the model and load its weights.
+
+    dtype: of the loaded A and B. A server loads in its slots' dtype: a bf16 adapter then skips a
+    float32 copy of every weight, which made most of a read's time.
 
     Our projections are nn.Linear, for which peft ignores fan_in_fan_out: A is [r, in] and B is
     [out, r] either way, so the flag needs no transpose here.
     """
     directory = Path(path)
     config, plans, grouped = _validated(directory, model, read_tensors, allow_pickle)
-    modules = {module: _module_weights(plan, grouped[module]) for module, plan in plans.items()}
+    modules = {module: _module_weights(plan, grouped[module], dtype) for module, plan in plans.items()}
     return LoadedAdapter(
         path=str(directory),
         config=config,

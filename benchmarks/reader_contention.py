@@ -1,13 +1,14 @@
 """How much adapter reads on background threads slow the engine thread down (CPU only, no GPU needed).
 
-    python benchmarks/reader_contention.py --readers 1 4 --process
+    python benchmarks/reader_contention.py --readers 1 4 --process 1 2
 
 The engine thread is stood in for by a loop of small torch calls with a little Python between them
 (what a Triton launch or an eager op looks like to the interpreter). While reader threads load
 Llama-3-8B-shaped rank-16 adapters (84 MB each) and lay them out in a slot row, as `LoRAManager`
 does, the loop's progress is compared with its speed alone. A fraction well under 1 with one reader
-(no CPU contention on two cores) means the readers hold up the loop through the GIL. `--process` also
-times the same reads by a `ProcessReader` (`adapter_reader="process"`), which takes no GIL of ours.
+(no CPU contention on two cores) means the readers hold up the loop through the GIL. `--process N...`
+also times the same reads by `ProcessReader`s of N children (`adapter_reader="process"`), which take no
+GIL of ours. Adapters are loaded in the pool's dtype (bf16), as the engine loads them.
 """
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--readers", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--adapters", type=int, default=8)
-    parser.add_argument("--process", action="store_true", help="also time a reader process")
+    parser.add_argument("--process", type=int, nargs="*", default=[],
+                        help="also time ProcessReaders with these numbers of child processes")
     args = parser.parse_args()
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="reader-contention-"))
@@ -84,7 +86,7 @@ def main() -> None:
     pool = torch.empty(len(paths), layout.numel, dtype=torch.bfloat16)
 
     def read(row: int) -> None:
-        layout.write(load_adapter(paths[row], model), pool[row])
+        layout.write(load_adapter(paths[row], model, dtype=pool.dtype), pool[row])
 
     for readers in args.readers:
         with ThreadPoolExecutor(readers) as threads:
@@ -93,14 +95,16 @@ def main() -> None:
               f"loop ran at {speed:.2f} of its speed alone")
     if args.process:
         pool.share_memory_()
-        reader = ProcessReader(pool, layout, model, allow_pickle=False)
+    for processes in args.process:
+        reader = ProcessReader(pool, layout, model, allow_pickle=False, processes=processes)
         try:
-            reader.submit(paths[0], 0).result()  # the child's imports and first read, before timing
+            for warm in [reader.submit(paths[row], row) for row in range(processes)]:
+                warm.result()  # each child's first read, before timing
             wall, speed = engine_speed_during([reader.submit(path, row) for row, path in enumerate(paths)], x, alone)
         finally:
             reader.close()
-        print(f"reader process: {len(paths)} adapters read in {1e3 * wall:.0f} ms; the engine-like loop ran at "
-              f"{speed:.2f} of its speed alone")
+        print(f"{processes} reader process(es): {len(paths)} adapters read in {1e3 * wall:.0f} ms; the engine-like "
+              f"loop ran at {speed:.2f} of its speed alone")
 
 
 if __name__ == "__main__":

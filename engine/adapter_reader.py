@@ -1,11 +1,11 @@
-"""Adapter weights read into host-pool rows by a child process instead of threads.
+"""Adapter weights read into host-pool rows by child processes instead of threads.
 
 Each read makes about 1500 torch calls, and each call releases and retakes the GIL. On reader
 threads that slows the engine thread's own Python, which is mostly kernel launches, while reads are
-in flight (`benchmarks/reader_contention.py`). The child process does the same work
-(`load_adapter`, then `SlotLayout.write`) into the host pool, which lives in shared memory, so the
-engine's GIL is never contended. `submit` has the thread pool's signature: the `LoRAManager` uses
-either.
+in flight (`benchmarks/reader_contention.py`). The children do the same work (`load_adapter`, then
+`SlotLayout.write`) into the host pool, which lives in shared memory, so the engine's GIL is never
+contended; several of them read several adapters at once, as the threads did. `submit` has the
+thread pool's signature: the `LoRAManager` uses either.
 """
 from __future__ import annotations
 
@@ -25,17 +25,24 @@ from .lora_layout import SlotLayout
 
 
 class ProcessReader:
-    def __init__(self, pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool):
-        """pool: the host rows [rows, layout.numel], in shared memory (`Tensor.share_memory_`)."""
+    def __init__(self, pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
+                 processes: int = 1):
+        """pool: the host rows [rows, layout.numel], in shared memory (`Tensor.share_memory_`); its
+        dtype is the one adapters are loaded in. processes: children reading at once, from one queue."""
         if not pool.is_shared():
             raise ValueError("the host pool must be in shared memory for a reader process to fill it")
+        if processes < 1:
+            raise ValueError(f"an adapter reader needs at least one process, got {processes}")
         context = mp.get_context("spawn")
         self._jobs = context.SimpleQueue()
         self._results = context.Queue()
-        self._process = context.Process(target=_serve, name="lora-reader", daemon=True,
-                                        args=(pool, layout, model_info, allow_pickle, self._jobs, self._results))
-        self._process.start()
-        self._wait_until_ready()
+        self._processes = [context.Process(target=_serve, name=f"lora-reader-{i}", daemon=True,
+                                           args=(pool, layout, model_info, allow_pickle, self._jobs, self._results))
+                           for i in range(processes)]
+        for process in self._processes:
+            process.start()
+        for _ in self._processes:
+            self._wait_until_ready()
         self._futures: dict[int, Future] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -43,14 +50,17 @@ class ProcessReader:
         self._listener.start()
 
     def _wait_until_ready(self) -> None:
-        """The child's imports take seconds: pay them while the engine starts, not in its first reads."""
+        """One child's "ready". Their imports take seconds: pay them while the engine starts, not in its
+        first reads."""
         while True:
             try:
                 self._results.get(timeout=1.0)
                 return
             except queue.Empty:
-                if not self._process.is_alive():
-                    raise RuntimeError(f"the adapter reader process exited at start (code {self._process.exitcode})")
+                for process in self._processes:
+                    if not process.is_alive():
+                        self._stop_children()
+                        raise RuntimeError(f"an adapter reader process exited at start (code {process.exitcode})")
 
     def submit(self, path: str | Path, row: int) -> Future:
         """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
@@ -62,14 +72,19 @@ class ProcessReader:
         return future
 
     def close(self) -> None:
-        """Stop the child (reads in flight finish first); futures still pending fail."""
-        if self._process.is_alive():
-            self._jobs.put(None)
-            self._process.join(timeout=10)
-        if self._process.is_alive():
-            self._process.kill()
-            self._results.put(None)
+        """Stop the children (reads in flight finish first); futures still pending fail."""
+        self._stop_children()
+        self._results.put(None)  # after every child's answers: each flushed them before it exited
         self._listener.join(timeout=10)
+
+    def _stop_children(self) -> None:
+        for process in self._processes:
+            if process.is_alive():
+                self._jobs.put(None)
+        for process in self._processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.kill()
 
     def _listen(self) -> None:
         while (message := self._results.get()) is not None:
@@ -88,17 +103,16 @@ class ProcessReader:
 
 def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
            jobs, results) -> None:
-    """The child's loop: one read at a time, each answered with (job, None) or (job, the error)."""
+    """A child's loop: one read at a time, each answered with (job, None) or (job, the error)."""
     torch.set_num_threads(1)
     results.put("ready")
     while (job := jobs.get()) is not None:
         job_id, path, row = job
         try:
-            layout.write(load_adapter(path, model_info, allow_pickle=allow_pickle), pool[row])
+            layout.write(load_adapter(path, model_info, allow_pickle=allow_pickle, dtype=pool.dtype), pool[row])
             results.put((job_id, None))
         except Exception as exc:  # any failure of one read is that read's answer
             results.put((job_id, _sendable(exc)))
-    results.put(None)
 
 
 def _sendable(exc: Exception) -> Exception:

@@ -6,7 +6,7 @@ is pinned while a running sequence uses it; only unpinned slots are evicted (lea
 first). Host copies use the same layout, in a pool of `max_cpu_loras` rows allocated (and page-locked
 on CUDA) once, so serving never allocates pinned memory and a slot load is one asynchronous copy.
 A request's adapter is only checked when the request arrives (config and weight-file header); its
-weights are read into a host row on a background thread (or in a child process: `ProcessReader`) when
+weights are read into a host row on a background thread (or in child processes: `ProcessReader`) when
 the scheduler first wants it, a few adapters ahead at most, and again later if its host copy was evicted.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ class LoRAResidency:
 
 
 class LoRAManager:
-    READER_THREADS = 4
+    READER_THREADS = 4  # reader threads, or processes with read_in_process
     MAX_READS_IN_FLIGHT = 8
 
     def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
@@ -78,7 +78,8 @@ class LoRAManager:
         self._row_copies: dict[int, torch.cuda.Event] = {}
         self._reader = self._process_reader = None
         if read_in_process:
-            self._process_reader = ProcessReader(self._pool, self.layout, model_info, allow_pickle)
+            self._process_reader = ProcessReader(self._pool, self.layout, model_info, allow_pickle,
+                                                 processes=self.READER_THREADS)
             weakref.finalize(self, self._process_reader.close)
         else:
             self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
@@ -268,7 +269,7 @@ class LoRAManager:
         """Disk to host row: validate, load, shard (tensor parallelism) and lay out one adapter. The row
         is overwritten only once the slot load that last read it has finished."""
         adapter = self._transform(load_adapter(lora_request.lora_path, self.model_info,
-                                               allow_pickle=self.allow_pickle))
+                                               allow_pickle=self.allow_pickle, dtype=self.dtype))
         if last_copy is not None:
             last_copy.synchronize()
         self.layout.write(adapter, self._pool[row])

@@ -44,6 +44,23 @@ def test_the_child_process_writes_the_row_the_engine_thread_would(engine, loras)
     assert pool[0].isnan().all()
 
 
+def test_several_children_fill_their_rows_in_the_pools_dtype(engine, loras):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    pool = torch.full((4, layout.numel), float("nan"), dtype=torch.bfloat16).share_memory_()
+    reader = ProcessReader(pool, layout, engine.model_info, allow_pickle=False, processes=3)
+    try:
+        reads = [reader.submit(lora.lora_path, row) for row, lora in enumerate(loras)]
+        for read in reads:
+            read.result(timeout=60)
+    finally:
+        reader.close()
+    for row, lora in enumerate(loras):
+        expected = torch.empty(layout.numel, dtype=torch.bfloat16)
+        layout.write(load_adapter(lora.lora_path, engine.model_info), expected)
+        assert torch.equal(pool[row], expected)
+    assert pool[3].isnan().all()
+
+
 def test_a_failed_read_in_the_child_is_the_futures_error(engine, loras, tmp_path):
     layout = SlotLayout(engine.model.lora_layers(), 16)
     reader = ProcessReader(torch.zeros(1, layout.numel).share_memory_(), layout, engine.model_info, allow_pickle=False)
@@ -58,6 +75,13 @@ def test_the_reader_needs_a_shared_pool(engine):
     layout = SlotLayout(engine.model.lora_layers(), 16)
     with pytest.raises(ValueError, match="shared memory"):
         ProcessReader(torch.zeros(1, layout.numel), layout, engine.model_info, allow_pickle=False)
+
+
+def test_the_reader_needs_a_process(engine):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    with pytest.raises(ValueError, match="at least one process"):
+        ProcessReader(torch.zeros(1, layout.numel).share_memory_(), layout, engine.model_info, allow_pickle=False,
+                      processes=0)
 
 
 def test_an_engine_reading_in_a_process_gives_the_threads_tokens(tiny_llama, loras):

@@ -71,3 +71,19 @@ def test_loaded_tensors_are_float32_cpu_with_short_target_names_and_byte_count(g
     assert all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
     assert loaded.target_modules == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
     assert loaded.nbytes == sum(t.nbytes for t in tensors)
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16])
+def test_loading_in_bf16_gives_the_float32_load_rounded_to_bf16(base_dir, model_info, tmp_path, file_dtype):
+    from safetensors.torch import load_file, save_file
+
+    adapter_dir = make_peft_adapter(base_dir, tmp_path / "adapter", r=8, lora_alpha=13)  # scaling 1.625
+    weights_file = adapter_dir / "adapter_model.safetensors"
+    save_file({k: v.to(file_dtype) for k, v in load_file(weights_file).items()}, weights_file)
+    reference = load_adapter(adapter_dir, model_info)
+    loaded = load_adapter(adapter_dir, model_info, dtype=torch.bfloat16)
+    assert loaded.modules.keys() == reference.modules.keys()
+    for module, weights in loaded.modules.items():
+        assert weights.lora_a.dtype == weights.lora_b.dtype == torch.bfloat16
+        assert torch.equal(weights.lora_a, reference.modules[module].lora_a.to(torch.bfloat16))
+        assert torch.equal(weights.lora_b, reference.modules[module].lora_b.to(torch.bfloat16))
