@@ -146,6 +146,34 @@ def zipf_choice(n: int, population: int, seed: int = 0, a: float = 1.1) -> list[
     return torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
 
 
+PHASES = ("schedule", "launch")
+
+
+def time_phases(engine: LLMEngine) -> dict[str, float]:
+    """Time spent per step in scheduling and in the model runner's `execute` (the forward's launch: no
+    sync, so a launch as long as its step means the step was host-bound), summed into the returned dict
+    until `untime_phases`."""
+    spent: dict[str, float] = {}
+
+    def timed(name, function):
+        def run(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return run
+
+    engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.runner.execute = timed("launch", engine.runner.execute)
+    return spent
+
+
+def untime_phases(engine: LLMEngine) -> None:
+    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute")):
+        owner.__dict__.pop(name, None)
+
+
 def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int,
             timeline_to: Path | None = None) -> dict:
     """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls."""
@@ -156,6 +184,7 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
         engine.add_request(prompt, params, lora)
     add_seconds = time.perf_counter() - start
     decode_walls, batch_sizes, timeline = [], [], []
+    phases = time_phases(engine) if timeline_to is not None else {}
     before = engine.stats()
     while engine.has_unfinished_requests():
         prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
@@ -169,10 +198,12 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
             decode_walls.append(wall)
         timeline.append(dict(ms=round(1e3 * wall, 3), running=after.num_running, waiting=after.num_waiting,
                              decode_only=decode_only, slot_loads=after.lora_slot_loads - before.lora_slot_loads,
-                             disk_reads=after.lora_disk_reads - before.lora_disk_reads))
+                             disk_reads=after.lora_disk_reads - before.lora_disk_reads,
+                             **{f"{name}_ms": round(1e3 * phases.pop(name, 0.0), 3) for name in PHASES}))
         before = after
     sync()
     elapsed = time.perf_counter() - start
+    untime_phases(engine)
     if timeline_to is not None:
         timeline_to.write_text(json.dumps(timeline))
     tokens = len(batch) * output_len

@@ -23,9 +23,10 @@ class EngineConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     allow_pickle_adapters: bool = False
-    # where adapter weights are read in the background: "threads", or "process" (a child process filling
-    # shared host memory, so reads never contend for the engine thread's GIL; not with tensor parallelism)
-    adapter_reader: str = "threads"
+    # where adapter weights are read in the background: "threads", or "process" (child processes filling
+    # shared host memory, so reads never contend for the engine thread's GIL; not with tensor parallelism);
+    # "auto": processes on CUDA without tensor parallelism, threads otherwise
+    adapter_reader: str = "auto"
     enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
     # launch a greedy decode step before reading the previous one's tokens back, so the host's
     # bookkeeping overlaps the GPU (CUDA-graph decode steps, one process; otherwise steps are synchronous)
@@ -49,8 +50,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
             )
-        if self.adapter_reader not in ("threads", "process"):
-            raise ValueError(f"adapter_reader must be 'threads' or 'process', got {self.adapter_reader!r}")
+        if self.adapter_reader not in ("auto", "threads", "process"):
+            raise ValueError(f"adapter_reader must be 'auto', 'threads' or 'process', got {self.adapter_reader!r}")
         if self.adapter_reader == "process" and self.tensor_parallel_size > 1:
             raise ValueError("adapter_reader='process' does not work with tensor parallelism; use 'threads'")
         if self.load_format not in ("auto", "dummy"):

@@ -49,6 +49,7 @@ class ServeConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    adapter_reader: str = "auto"
     allow_runtime_lora_updating: bool = False
     lora_allowed_dirs: list[str] = field(default_factory=list)
     allow_pickle_adapters: bool = False
@@ -122,6 +123,9 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_loras", "Distinct adapters in one batch: the adapter slots on the device (default 1).", "int"),
     _Option("max_lora_rank", "Largest adapter rank accepted (default 16).", "int"),
     _Option("max_cpu_loras", "Adapters kept in host memory (default: max_loras; smaller is an error).", "int"),
+    _Option("adapter_reader", "Where adapter weights are read from disk in the background: child processes "
+            "or threads (default auto: processes on a GPU, threads on the CPU or with tensor parallelism).",
+            choices=("auto", "process", "threads")),
     _Option("allow_runtime_lora_updating", "Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
             "bool", env=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),
     _Option("lora_allowed_dirs", "Directories runtime-loaded adapters must lie under (resolved; no `..` or "

@@ -119,6 +119,10 @@ def test_a_file_broken_after_the_check_fails_only_its_requests_in_process_mode(t
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
+def test_a_cpu_engine_reads_on_threads_by_default(tiny_llama):
+    assert not make_engine(tiny_llama, enable_lora=True).reads_adapters_in_process
+
+
 @pytest.mark.parametrize("overrides, message", [
     (dict(adapter_reader="fork"), "adapter_reader must be"),
     (dict(adapter_reader="process", tensor_parallel_size=2), "tensor parallelism"),

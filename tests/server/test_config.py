@@ -143,6 +143,14 @@ def test_no_async_scheduling_reaches_the_engine_config(tmp_path):
     assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).async_scheduling
 
 
+def test_adapter_reader_reaches_the_engine_config(tmp_path):
+    from openai_server.launch import engine_config
+
+    assert engine_config(serve_config_from_args(["m", "--adapter-reader", "threads"], environ={},
+                                                cwd=tmp_path)).adapter_reader == "threads"
+    assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).adapter_reader == "auto"
+
+
 def test_an_adapter_named_by_both_dialects_for_the_same_place_counts_once(workdir):
     same_place = f"pirate={workdir / 'adapters' / 'pirate'}"
     config = serve_config_from_args([], environ={"LORA_ADAPTERS": same_place}, cwd=workdir)
