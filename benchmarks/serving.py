@@ -435,7 +435,7 @@ def main() -> None:
                         help="base: (a) and its decode profile; adapters: (b), (c), online; zipf: (d)")
     parser.add_argument("--zipf-reader-variants", type=_reader_variant, nargs="*", default=[],
                         help="extra (d) runs, each THREADS:SWITCH_MS (adapter reader threads, GIL switch interval)")
-    parser.add_argument("--adapter-reader", choices=("threads", "process"), default="threads",
+    parser.add_argument("--adapter-reader", choices=("auto", "threads", "process"), default="auto",
                         help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
     args = parser.parse_args()
