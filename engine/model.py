@@ -12,7 +12,7 @@ from torch import nn
 
 import kernels
 from kernels import fused
-from kernels.attention import decode_attention, paged_attention_prefill, write_kv
+from kernels.attention import decode_attention, prefill_attention, write_kv
 
 from .step_input import AttentionMetadata, StepInput
 
@@ -108,9 +108,9 @@ class Attention(nn.Module):
             if split:
                 out[:split] = decode_attention(q[:split], k_cache, v_cache, attn.block_tables[:split],
                                                attn.context_lens[:split], self.scale)
-            out[split:] = paged_attention_prefill(q[split:], k_cache, v_cache, attn.block_tables[split:],
-                                                  attn.query_lens[split:], attn.context_lens_list[split:],
-                                                  self.scale, k[split:], v[split:])
+            prefill_attention(q[split:], k_cache, v_cache, attn.block_tables[split:], attn.query_lens[split:],
+                              attn.context_lens_list[split:], self.scale, plan=attn.prefill, k=k[split:],
+                              v=v[split:], out=out[split:])
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels.attention import prefill_uses_triton
 
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledSequence
@@ -52,16 +53,30 @@ class ModelRunner:
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
-        # the per-token inputs travel as one tensor (one copy to a GPU), used row by row
-        ids, pos, slots, lora_slots = torch.tensor([input_ids, positions, slot_mapping, token_slots],
-                                                   dtype=torch.long, device=dev)
+        num_decode = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+        plan_values: list[int] = []
+        if num_decode < len(query_lens) and prefill_uses_triton(dev):
+            from kernels.prefill_attention_triton import DEFAULT_CONFIG, PrefillPlan
+
+            plan_values = PrefillPlan.host_values(query_lens[num_decode:], context_lens[num_decode:],
+                                                  DEFAULT_CONFIG.block_q)
+        # the per-token inputs and the prefill plan travel as one tensor (one copy to a GPU), used in pieces
+        num_tokens = len(input_ids)
+        packed = torch.tensor(input_ids + positions + slot_mapping + token_slots + plan_values,
+                              dtype=torch.long, device=dev)
+        ids, pos, slots, lora_slots = packed[:4 * num_tokens].view(4, num_tokens)
+        prefill = None
+        if plan_values:
+            prefill = PrefillPlan.from_values(packed[4 * num_tokens:], len(query_lens) - num_decode,
+                                              DEFAULT_CONFIG.block_q)
         attention = AttentionMetadata(
             slot_mapping=slots,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
             query_lens=query_lens,
             context_lens_list=context_lens,
-            num_decode=next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens)),
+            num_decode=num_decode,
+            prefill=prefill,
         )
         lora = None
         if any(s >= 0 for s in adapter_slots):

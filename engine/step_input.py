@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.prefill_attention_triton import PrefillPlan
 
 
 @dataclass
@@ -15,6 +18,9 @@ class AttentionMetadata:
     query_lens: list[int]  # new tokens per sequence, in batch order
     context_lens_list: list[int]
     num_decode: int  # the leading sequences with exactly one new token (batched decode attention)
+    # where the Triton prefill attention's programs work, for the sequences after the decode ones;
+    # None when the step has no prefill rows or the torch loop runs them
+    prefill: PrefillPlan | None = None
 
     @property
     def decode_only(self) -> bool:

@@ -2,15 +2,20 @@
 
 The cache of one layer is `[num_blocks, block_size, num_kv_heads, head_dim]`; a sequence's
 tokens live in the blocks its block table lists, in order. The KV write and the decode attention
-run Triton kernels on CUDA tensors (split-context decode, one launch for K and V) and torch
-elsewhere; `LORASERVE_ATTENTION_BACKEND=triton|torch` forces one (with `TRITON_INTERPRET=1` the
-Triton kernels run on the CPU, which is how CI checks them).
+run Triton kernels on CUDA tensors (split-context decode, one launch for K and V, one launch for
+all of a step's prefill sequences) and torch elsewhere; `LORASERVE_ATTENTION_BACKEND=triton|torch`
+forces one (with `TRITON_INTERPRET=1` the Triton kernels run on the CPU, which is how CI checks them).
 """
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.backend import use_triton
+
+if TYPE_CHECKING:
+    from kernels.prefill_attention_triton import PrefillPlan
 
 BACKEND_ENV = "LORASERVE_ATTENTION_BACKEND"
 
@@ -69,10 +74,33 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out.reshape(batch, heads, dim).to(q.dtype)
 
 
+def prefill_uses_triton(device: torch.device | str) -> bool:
+    """Whether `prefill_attention` runs the Triton kernel on this device (which wants a PrefillPlan per step)."""
+    return use_triton(BACKEND_ENV, default=torch.device(device).type == "cuda")
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_lens: list[int], context_lens: list[int], scale: float,
+                      plan: PrefillPlan | None = None, k: torch.Tensor | None = None,
+                      v: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of the step's prefill rows: the Triton kernel (one launch) on CUDA, the torch loop elsewhere.
+
+    `plan` is the step's PrefillPlan (built once per step; without one the Triton path builds it here);
+    k and v (the new tokens' keys and values) serve the torch loop's sequences without earlier context.
+    """
+    if prefill_uses_triton(q.device):
+        from kernels.prefill_attention_triton import PrefillPlan, paged_attention_prefill as triton_prefill
+
+        if plan is None:
+            plan = PrefillPlan.build(query_lens, context_lens, q.device)
+        return triton_prefill(q, k_cache, v_cache, block_tables, plan, scale, out=out)
+    return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, k, v, out)
+
+
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_lens: list[int], context_lens: list[int],
-                            scale: float, k: torch.Tensor | None = None,
-                            v: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, k: torch.Tensor | None = None, v: torch.Tensor | None = None,
+                            out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention for chunks of new tokens: q [T, H, D] (sequences back to back) -> [T, H, D].
 
     Sequence i's queries are its last query_lens[i] positions of context_lens[i] cached tokens. A
@@ -81,7 +109,8 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     """
     heads = q.shape[1]
     kv_heads = k_cache.shape[2]
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
     start = 0
     for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
         qi = q[start:start + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, L, D]
