@@ -58,8 +58,9 @@ class ModelRunner:
         if num_decode < len(query_lens) and prefill_uses_triton(dev):
             from kernels.prefill_attention_triton import DEFAULT_CONFIG, PrefillPlan
 
-            plan_values = PrefillPlan.host_values(query_lens[num_decode:], context_lens[num_decode:],
-                                                  DEFAULT_CONFIG.block_q)
+            config = self.model.config
+            block_q = DEFAULT_CONFIG.block_q(config.num_attention_heads // config.num_key_value_heads)
+            plan_values = PrefillPlan.host_values(query_lens[num_decode:], context_lens[num_decode:], block_q)
         # the per-token inputs and the prefill plan travel as one tensor (one copy to a GPU), used in pieces
         num_tokens = len(input_ids)
         packed = torch.tensor(input_ids + positions + slot_mapping + token_slots + plan_values,
@@ -67,8 +68,7 @@ class ModelRunner:
         ids, pos, slots, lora_slots = packed[:4 * num_tokens].view(4, num_tokens)
         prefill = None
         if plan_values:
-            prefill = PrefillPlan.from_values(packed[4 * num_tokens:], len(query_lens) - num_decode,
-                                              DEFAULT_CONFIG.block_q)
+            prefill = PrefillPlan.from_values(packed[4 * num_tokens:], len(query_lens) - num_decode, block_q)
         attention = AttentionMetadata(
             slot_mapping=slots,
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),

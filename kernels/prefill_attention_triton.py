@@ -20,21 +20,25 @@ import triton.language as tl
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile sizes and launch shape; block_q is in query tokens (a tile has block_q x group rows)."""
+    """Tile sizes and launch shape of the kernel."""
 
-    block_q: int
-    block_n: int
+    block_m: int  # rows of a tile: its query tokens x the query heads of one KV head (group padded to 2^k)
+    block_n: int  # keys per inner step
     num_warps: int
     num_stages: int
+
+    def block_q(self, group: int) -> int:
+        """Query tokens per tile when `group` query heads share a KV head (what a plan is built with)."""
+        return max(1, self.block_m // triton.next_power_of_2(group))
 
 
 # Candidates for benchmarks/prefill_attention.py --sweep (Llama-3-8B heads: group 4, D 128).
 CONFIGS = {
-    "q32_n64_w4_s2": PrefillConfig(block_q=32, block_n=64, num_warps=4, num_stages=2),
-    "q32_n64_w8_s3": PrefillConfig(block_q=32, block_n=64, num_warps=8, num_stages=3),
-    "q16_n64_w4_s3": PrefillConfig(block_q=16, block_n=64, num_warps=4, num_stages=3),
+    "m128_n64_w4_s3": PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
+    "m128_n64_w8_s3": PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
+    "m128_n128_w8_s3": PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3),
 }
-DEFAULT_CONFIG = CONFIGS["q32_n64_w4_s2"]
+DEFAULT_CONFIG = CONFIGS["m128_n64_w4_s3"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,7 @@ class PrefillPlan:
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], device: torch.device | str,
-              block_q: int = DEFAULT_CONFIG.block_q) -> PrefillPlan:
+              block_q: int) -> PrefillPlan:
         values = torch.tensor(cls.host_values(query_lens, context_lens, block_q), dtype=torch.long, device=device)
         return cls.from_values(values, len(query_lens), block_q)
 
@@ -165,7 +169,7 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
                             config: PrefillConfig = DEFAULT_CONFIG) -> torch.Tensor:
     """q [T, H, D] (the plan's sequences back to back) -> [T, H, D]; caches [blocks, block_size, kv_heads, D].
 
-    `block_tables` has one row per plan sequence; `config.block_q` must be the plan's.
+    `block_tables` has one row per plan sequence; the plan's tiles must be `config.block_q(group)` queries.
     """
     tokens, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
@@ -176,8 +180,9 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             raise ValueError(f"the Triton prefill attention needs a power-of-two {name}, got {size}")
     if head_dim < 16:
         raise ValueError(f"the Triton prefill attention needs head_dim >= 16, got {head_dim}")
-    if plan.block_q != config.block_q:
-        raise ValueError(f"the plan has {plan.block_q}-query tiles, the config {config.block_q}")
+    group = heads // kv_heads
+    if plan.block_q != config.block_q(group):
+        raise ValueError(f"the plan has {plan.block_q}-query tiles, the config {config.block_q(group)}")
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) need one dtype")
     if q.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride() != k_cache.stride():
@@ -188,13 +193,12 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         raise ValueError("out needs a contiguous last dimension")
     if tokens == 0 or plan.num_programs == 0:
         return out
-    group = heads // kv_heads
     _prefill_kernel[(plan.num_programs, kv_heads)](
         q, k_cache, v_cache, block_tables, plan.programs, plan.sequences, out, scale * LOG2_E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), plan.programs.stride(0), plan.sequences.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_Q=config.block_q, BLOCK_N=config.block_n, IEEE=q.dtype == torch.float32,
+        BLOCK_Q=plan.block_q, BLOCK_N=config.block_n, IEEE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out

@@ -16,25 +16,25 @@ TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _case(seed: int, heads: int, kv_heads: int, query_lens: list[int], context_lens: list[int],
-          dtype: torch.dtype, block_size: int = 16):
+          dtype: torch.dtype, block_size: int = 16, dim: int = DIM):
     """Random q and caches; shuffled tables padded with a scratch block, and every slot no sequence
     holds (the scratch block, the tails of last blocks) NaN, so reading one poisons the output."""
     gen = torch.Generator().manual_seed(seed)
     blocks = [-(-n // block_size) for n in context_lens]
     width, num_blocks = max(blocks) + 2, sum(blocks) + 1
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, DIM, generator=gen)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen)
     order = torch.randperm(num_blocks - 1, generator=gen).tolist()
     tables = torch.full((len(context_lens), width), num_blocks - 1)
     live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
     for row, (n, length) in enumerate(zip(blocks, context_lens)):
         tables[row, :n] = torch.tensor(order[:n])
         order = order[n:]
-        for pos in range(length):
-            live[tables[row, pos // block_size] * block_size + pos % block_size] = True
+        positions = torch.arange(length)
+        live[tables[row, positions // block_size] * block_size + positions % block_size] = True
     for cache in (k_cache, v_cache):
-        cache.view(-1, kv_heads, DIM)[~live] = float("nan")
-    q = torch.randn(sum(query_lens), heads, DIM, generator=gen)
+        cache.view(-1, kv_heads, dim)[~live] = float("nan")
+    q = torch.randn(sum(query_lens), heads, dim, generator=gen)
     return q.to(DEVICE, dtype), k_cache.to(DEVICE, dtype), v_cache.to(DEVICE, dtype), tables.to(DEVICE)
 
 
@@ -54,10 +54,12 @@ def _reference(q, k_cache, v_cache, tables, query_lens, context_lens) -> torch.T
 
 
 def _run(q, k_cache, v_cache, tables, query_lens, context_lens, config=None) -> torch.Tensor:
-    from kernels.prefill_attention_triton import DEFAULT_CONFIG, PrefillPlan, paged_attention_prefill
+    """With small tiles by default (32 rows: 8 to 32 queries, 16 keys), so short sequences span several."""
+    from kernels.prefill_attention_triton import PrefillConfig, PrefillPlan, paged_attention_prefill
 
-    config = config or DEFAULT_CONFIG
-    plan = PrefillPlan.build(query_lens, context_lens, q.device, block_q=config.block_q)
+    config = config or PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    block_q = config.block_q(q.shape[1] // k_cache.shape[2])
+    plan = PrefillPlan.build(query_lens, context_lens, q.device, block_q)
     out = torch.full_like(q, float("nan"))
     paged_attention_prefill(q, k_cache, v_cache, tables, plan, SCALE, out=out, config=config)
     assert not out.isnan().any(), "rows left unwritten (or NaN slots read)"
@@ -71,13 +73,14 @@ def _check(case, query_lens, context_lens, dtype, config=None) -> None:
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (6, 2)])
 def test_fresh_prompts_match_float64_for_every_grouping(heads, kv_heads):
-    # lengths around the 16-token blocks and the 32-query tiles
+    # lengths around the 16-token blocks and the 8-, 16- and 32-query tiles
     lens = [5, 33, 16, 1, 47]
     _check(_case(heads * 10 + kv_heads, heads, kv_heads, lens, lens, torch.float32), lens, lens, torch.float32)
 
 
 def test_chunked_prefill_continuations_attend_to_their_earlier_context():
-    query_lens, context_lens = [7, 40, 33], [30, 41, 97]
+    # earlier contexts of 23, 1, 64, 14 and 15 tokens: on, before and after block and key-tile edges
+    query_lens, context_lens = [7, 40, 33, 5, 12], [30, 41, 97, 19, 27]
     case = _case(1, 8, 2, query_lens, context_lens, torch.float32)
     _check(case, query_lens, context_lens, torch.float32)
 
@@ -101,23 +104,23 @@ def test_half_precision_matches_float64_loosely(dtype):
     _check(_case(4, 8, 2, query_lens, context_lens, dtype), query_lens, context_lens, dtype)
 
 
-@pytest.mark.parametrize("name", ["q32_n64_w4_s2", "q32_n64_w8_s3", "q16_n64_w4_s3"])
+@pytest.mark.parametrize("name", ["m128_n64_w4_s3", "m128_n64_w8_s3", "m128_n128_w8_s3"])
 def test_every_candidate_config_is_correct(name):
     from kernels.prefill_attention_triton import CONFIGS
 
-    query_lens, context_lens = [70, 3], [90, 3]
+    query_lens, context_lens = [70, 3], [150, 3]  # group 4: 32-query tiles
     case = _case(5, 4, 1, query_lens, context_lens, torch.float32)
     _check(case, query_lens, context_lens, torch.float32, CONFIGS[name])
 
 
 def test_writes_only_its_rows_of_a_larger_output():
     """The model passes the prefill rows of an output whose first rows the decode attention fills."""
-    from kernels.prefill_attention_triton import PrefillPlan, paged_attention_prefill
+    from kernels.prefill_attention_triton import DEFAULT_CONFIG, PrefillPlan, paged_attention_prefill
 
     query_lens, context_lens = [12, 21], [12, 30]
     q, k_cache, v_cache, tables = _case(6, 4, 2, query_lens, context_lens, torch.float32)
     full = torch.full((3 + q.shape[0], *q.shape[1:]), float("nan"), device=DEVICE)
-    plan = PrefillPlan.build(query_lens, context_lens, q.device)
+    plan = PrefillPlan.build(query_lens, context_lens, q.device, DEFAULT_CONFIG.block_q(2))
     paged_attention_prefill(q, k_cache, v_cache, tables, plan, SCALE, out=full[3:])
     assert full[:3].isnan().all()
     assert relative_error(full[3:], _reference(q, k_cache, v_cache, tables, query_lens, context_lens)) < 1e-6
@@ -131,12 +134,19 @@ def test_plan_puts_the_tiles_reading_most_keys_first():
     assert values == [1, 0, 0] + [0, 32, 0] + [0, 40] + [40, 10] + [40, 100]
 
 
+@pytest.mark.parametrize("group,block_q", [(1, 128), (4, 32), (6, 16), (32, 4)])
+def test_a_tile_holds_block_m_rows_whatever_the_grouping(group, block_q):
+    from kernels.prefill_attention_triton import PrefillConfig
+
+    assert PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3).block_q(group) == block_q
+
+
 def test_rejects_a_head_dim_that_is_not_a_power_of_two():
     from kernels.prefill_attention_triton import PrefillPlan, paged_attention_prefill
 
     q = torch.zeros(4, 2, 24, device=DEVICE)
     cache = torch.zeros(2, 16, 2, 24, device=DEVICE)
-    plan = PrefillPlan.build([4], [4], DEVICE)
+    plan = PrefillPlan.build([4], [4], DEVICE, block_q=64)
     with pytest.raises(ValueError, match="power-of-two head_dim"):
         paged_attention_prefill(q, cache, cache, torch.zeros(1, 1, dtype=torch.long, device=DEVICE), plan, SCALE)
 
@@ -155,6 +165,21 @@ def test_backend_switch_picks_the_prefill_kernel(backend, expect_triton, monkeyp
     out = prefill_attention(q, k_cache, v_cache, tables, query_lens, context_lens, SCALE)
     assert relative_error(out, _reference(q, k_cache, v_cache, tables, query_lens, context_lens)) < 1e-6
     assert calls == ([1] if expect_triton else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["m128_n64_w4_s3", "m128_n64_w8_s3", "m128_n128_w8_s3"])
+@pytest.mark.parametrize("query_lens,context_lens", [
+    ([512] * 16, [512] * 16),
+    ([512, 512, 300, 1, 700], [2560, 1024, 1900, 2000, 700]),
+], ids=["fresh_16x512", "chunked"])
+def test_llama3_8b_heads_match_float64_in_bfloat16_on_the_gpu(name, query_lens, context_lens):
+    from kernels.prefill_attention_triton import CONFIGS
+
+    case = _case(8, 32, 8, query_lens, context_lens, torch.bfloat16, dim=128)
+    out = _run(*case, query_lens, context_lens, CONFIGS[name])
+    assert relative_error(out, _reference(*case, query_lens, context_lens)) <= 1e-2
 
 
 def test_engine_greedy_tokens_are_the_same_with_either_backend(tiny_llama, monkeypatch):
