@@ -264,18 +264,24 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         profile_to.write_text(_eager_step_profile(engine))
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    # GPU busy time of one step: replay the captured graph alone
+    # GPU busy time of one step: the captured graph replayed alone, then the LM head and greedy choice
+    # (outside the graph) on its output, back to back
     graphs = engine.runner.graphs
     size = next(b for b in graphs.buckets if b >= batch_size)
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    begin.record()
-    for _ in range(20):
-        graphs.graphs[size].replay()
-    end.record()
-    torch.cuda.synchronize()
-    graph_ms = begin.elapsed_time(end) / 20
+    begin, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+    graph_ms = head_ms = 0.0
+    with torch.inference_mode():
+        for _ in range(20):
+            begin.record()
+            graphs.graphs[size].replay()
+            middle.record()
+            engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[size][:batch_size]))
+            end.record()
+            torch.cuda.synchronize()
+            graph_ms += begin.elapsed_time(middle) / 20
+            head_ms += middle.elapsed_time(end) / 20
     return dict(batch=batch_size, context=context, step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
-                gpu_idle_fraction=max(0.0, 1 - graph_ms / wall_ms))
+                lm_head_and_greedy_ms=head_ms, gpu_idle_fraction=max(0.0, 1 - (graph_ms + head_ms) / wall_ms))
 
 
 def bytes_floor_ms(engine: LLMEngine, batch_size: int, context: int, distinct_adapters: int, bandwidth: float,
@@ -379,11 +385,14 @@ def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[l
 
 def warm_up(engine: LLMEngine, batch: list[list[int]], loras: list, args) -> None:
     """A short run shaped like the measured ones: full prefill chunks, then prefill chunks cut short by
-    decode rows, then decodes of every batch size down to one. The Triton kernels compile for all of
-    those shapes before the clock starts (a warm-up of one chunk left the mixed steps' compiles to the
-    first measured run, which made the first engine's first workload look slower)."""
+    decode rows, then decodes of every batch size down to one, and a step of a few hundred tokens. The
+    Triton kernels compile for all of those shapes before the clock starts (a warm-up of one chunk left
+    the mixed steps' compiles to the first measured run, which made the first engine's first workload
+    look slower)."""
     count = args.max_num_seqs + max(1, args.max_batched_tokens // args.prompt_len)
     offline(engine, batch[:count], [loras[i % len(loras)] for i in range(count)], 8)
+    short = [prompt[:200] for prompt in batch[:2]]  # steps of 128-511 tokens take 16-row SGMV tiles
+    offline(engine, short, [loras[i % len(loras)] for i in range(len(short))], 2)
 
 
 def _reader_variant(text: str) -> tuple[int, float]:

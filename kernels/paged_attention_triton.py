@@ -28,7 +28,10 @@ SPLIT_MIN_TOKENS = 64
 MAX_SPLITS = 32
 
 
-@triton.jit
+# Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
+# each value that is 1 or a multiple of 16): an eager step's block table is as wide as its longest
+# sequence, and its split count follows, so each new width would stall a step for a compile.
+@triton.jit(do_not_specialize=["stride_tb", "num_splits"])
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
                    num_heads, num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -81,7 +84,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_
                  (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
                     HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, SPLITS_PAD: tl.constexpr):
     seq = tl.program_id(0)
@@ -153,7 +156,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_splits > 1:
         _combine_kernel[(batch, heads)](
             m, l, acc, context_lens, out, out.stride(0), out.stride(1), heads, num_splits,
-            HEAD_DIM=head_dim, TOKENS=tokens, SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim, TOKENS=tokens, SPLITS_PAD=MAX_SPLITS,  # one variant for every split count
             num_warps=4,
         )
     return out
