@@ -38,6 +38,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 from .step_input import DeviceTokens
+from .warmup import warm_up_eager_steps
 
 logger = logging.getLogger("loraserve.engine")
 
@@ -125,6 +126,10 @@ class LLMEngine:
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)
         if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
             self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
+        if self.device.type == "cuda" and config.tensor_parallel_size == 1:
+            warm_up_eager_steps(self.runner, max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
+                                max_model_len=self.max_model_len, scratch_block=num_blocks,
+                                lora_slot=0 if config.enable_lora else None)
         # the overlap needs the host to run ahead of the device: CUDA graphs, one process (a test may
         # take the same path with eager steps)
         self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1 and (

@@ -1,0 +1,43 @@
+"""Eager steps of dummy sequences at engine start, so Triton compiles there and not in the first requests.
+
+CUDA-graph capture compiles the decode kernels, but prefill and mixed steps run eagerly, and their
+kernels compile on first use: the LoRA kernels per tile class (fewer than 128 tokens go per token,
+fewer than 512 in 16-row tiles, more in 64-row tiles), the prefill attention, and the decode
+attention of a mixed step's decode rows. Each takes a second or more on an H200, which the first
+requests of a fresh server would wait for. The dummy sequences keep their keys and values in the
+scratch block (the one CUDA-graph padding rows write to), so no block a sequence owns is touched.
+"""
+from __future__ import annotations
+
+from .model_runner import ModelRunner
+from .scheduler import ScheduledSequence
+from .sequence import Sequence
+
+# prefill tokens of a step in the per-token and 16-row tile classes (the third step fills the token budget)
+_SMALL_PREFILLS = (16, 200)
+
+
+def _dummy(context: int, new_tokens: int, scratch_block: int, block_size: int) -> ScheduledSequence:
+    seq = Sequence(seq_id=-1, request=None, index=0, token_ids=[0] * context, detokenizer=None, generator=None)
+    seq.num_computed_tokens = context - new_tokens
+    seq.block_table = [scratch_block] * -(-context // block_size)
+    return ScheduledSequence(seq, new_tokens)
+
+
+def warm_up_eager_steps(runner: ModelRunner, *, max_num_batched_tokens: int, max_model_len: int,
+                        scratch_block: int, lora_slot: int | None) -> None:
+    """Run one mixed step per tile class: a decode row, a continued prompt (earlier context) and fresh
+    prompts up to the size. lora_slot: a slot for half of the sequences (the others use none), or None."""
+    bs = runner.block_size
+    longest = max(2, max_model_len - 1)
+    for size in (*_SMALL_PREFILLS, max(max_num_batched_tokens - 1, 1)):
+        scheduled = [_dummy(2, 1, scratch_block, bs)]
+        continued = min(size // 2, longest // 2)
+        scheduled.append(_dummy(2 * continued, continued, scratch_block, bs))
+        left = size - continued
+        while left > 0:
+            fresh = min(left, longest)
+            scheduled.append(_dummy(fresh, fresh, scratch_block, bs))
+            left -= fresh
+        slots = [lora_slot if lora_slot is not None and i % 2 else -1 for i in range(len(scheduled))]
+        runner.execute(scheduled, slots)

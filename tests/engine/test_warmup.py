@@ -1,0 +1,23 @@
+"""Eager warm-up steps at engine start (run on CUDA; checked here on the CPU): dummy sequences touch the
+scratch block and nothing a real sequence could own."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.warmup import warm_up_eager_steps
+from tests.engine.conftest import make_engine
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_warm_up_writes_only_the_scratch_block(tiny_llama, lora):
+    engine = make_engine(tiny_llama, num_kv_blocks=8, max_model_len=96, max_num_batched_tokens=300,
+                         enable_lora=lora)
+    scratch = engine.allocator.num_blocks
+    before = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
+    warm_up_eager_steps(engine.runner, max_num_batched_tokens=300, max_model_len=96, scratch_block=scratch,
+                        lora_slot=0 if lora else None)
+    for (k, v), (k0, v0) in zip(engine.runner.kv_caches, before):
+        assert torch.equal(k[:scratch], k0[:scratch]) and torch.equal(v[:scratch], v0[:scratch])
+        assert not torch.equal(k[scratch], k0[scratch])
+    assert engine.allocator.num_free == engine.allocator.num_blocks
