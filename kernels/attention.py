@@ -89,13 +89,12 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     k and v (the new tokens' keys and values) serve the torch loop's sequences without earlier context.
     """
     if prefill_uses_triton(q.device):
-        from kernels.prefill_attention_triton import DEFAULT_CONFIG, PrefillPlan
-        from kernels.prefill_attention_triton import paged_attention_prefill as triton_prefill
+        from kernels import prefill_attention_triton as triton_prefill
 
         if plan is None:
-            block_q = DEFAULT_CONFIG.block_q(q.shape[1] // k_cache.shape[2])
-            plan = PrefillPlan.build(query_lens, context_lens, q.device, block_q)
-        return triton_prefill(q, k_cache, v_cache, block_tables, plan, scale, out=out)
+            block_q = triton_prefill.DEFAULT_CONFIG.block_q(q.shape[1] // k_cache.shape[2])
+            plan = triton_prefill.PrefillPlan.build(query_lens, context_lens, q.device, block_q)
+        return triton_prefill.paged_attention_prefill(q, k_cache, v_cache, block_tables, plan, scale, out=out)
     return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, k, v, out)
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import prefill_attention_triton
 from kernels.attention import prefill_attention
+from kernels.prefill_attention_triton import (
+    CONFIGS,
+    DEFAULT_CONFIG,
+    PrefillConfig,
+    PrefillPlan,
+    paged_attention_prefill,
+)
 from tests.kernels.lora_cases import relative_error, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,8 +63,6 @@ def _reference(q, k_cache, v_cache, tables, query_lens, context_lens) -> torch.T
 
 def _run(q, k_cache, v_cache, tables, query_lens, context_lens, config=None) -> torch.Tensor:
     """With small tiles by default (32 rows: 8 to 32 queries, 16 keys), so short sequences span several."""
-    from kernels.prefill_attention_triton import PrefillConfig, PrefillPlan, paged_attention_prefill
-
     config = config or PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
     block_q = config.block_q(q.shape[1] // k_cache.shape[2])
     plan = PrefillPlan.build(query_lens, context_lens, q.device, block_q)
@@ -104,10 +110,8 @@ def test_half_precision_matches_float64_loosely(dtype):
     _check(_case(4, 8, 2, query_lens, context_lens, dtype), query_lens, context_lens, dtype)
 
 
-@pytest.mark.parametrize("name", ["m128_n64_w4_s3", "m128_n64_w8_s3", "m128_n128_w8_s3"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_every_candidate_config_is_correct(name):
-    from kernels.prefill_attention_triton import CONFIGS
-
     query_lens, context_lens = [70, 3], [150, 3]  # group 4: 32-query tiles
     case = _case(5, 4, 1, query_lens, context_lens, torch.float32)
     _check(case, query_lens, context_lens, torch.float32, CONFIGS[name])
@@ -115,8 +119,6 @@ def test_every_candidate_config_is_correct(name):
 
 def test_writes_only_its_rows_of_a_larger_output():
     """The model passes the prefill rows of an output whose first rows the decode attention fills."""
-    from kernels.prefill_attention_triton import DEFAULT_CONFIG, PrefillPlan, paged_attention_prefill
-
     query_lens, context_lens = [12, 21], [12, 30]
     q, k_cache, v_cache, tables = _case(6, 4, 2, query_lens, context_lens, torch.float32)
     full = torch.full((3 + q.shape[0], *q.shape[1:]), float("nan"), device=DEVICE)
@@ -127,8 +129,6 @@ def test_writes_only_its_rows_of_a_larger_output():
 
 
 def test_plan_puts_the_tiles_reading_most_keys_first():
-    from kernels.prefill_attention_triton import PrefillPlan
-
     values = PrefillPlan.host_values([40, 10], [40, 100], block_q=32)
     # tiles: seq 0 queries 0..31 (32 keys), seq 0 queries 32..39 (40 keys), seq 1 queries 0..9 (100 keys)
     assert values == [1, 0, 0] + [0, 32, 0] + [0, 40] + [40, 10] + [40, 100]
@@ -136,14 +136,10 @@ def test_plan_puts_the_tiles_reading_most_keys_first():
 
 @pytest.mark.parametrize("group,block_q", [(1, 128), (4, 32), (6, 16), (32, 4)])
 def test_a_tile_holds_block_m_rows_whatever_the_grouping(group, block_q):
-    from kernels.prefill_attention_triton import PrefillConfig
-
     assert PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3).block_q(group) == block_q
 
 
 def test_rejects_a_head_dim_that_is_not_a_power_of_two():
-    from kernels.prefill_attention_triton import PrefillPlan, paged_attention_prefill
-
     q = torch.zeros(4, 2, 24, device=DEVICE)
     cache = torch.zeros(2, 16, 2, 24, device=DEVICE)
     plan = PrefillPlan.build([4], [4], DEVICE, block_q=64)
@@ -153,8 +149,6 @@ def test_rejects_a_head_dim_that_is_not_a_power_of_two():
 
 @pytest.mark.parametrize("backend,expect_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
 def test_backend_switch_picks_the_prefill_kernel(backend, expect_triton, monkeypatch):
-    from kernels import prefill_attention_triton
-
     monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", backend)
     calls = []
     original = prefill_attention_triton.paged_attention_prefill
@@ -169,14 +163,12 @@ def test_backend_switch_picks_the_prefill_kernel(backend, expect_triton, monkeyp
 
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
-@pytest.mark.parametrize("name", ["m128_n64_w4_s3", "m128_n64_w8_s3", "m128_n128_w8_s3"])
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("query_lens,context_lens", [
     ([512] * 16, [512] * 16),
     ([512, 512, 300, 1, 700], [2560, 1024, 1900, 2000, 700]),
 ], ids=["fresh_16x512", "chunked"])
 def test_llama3_8b_heads_match_float64_in_bfloat16_on_the_gpu(name, query_lens, context_lens):
-    from kernels.prefill_attention_triton import CONFIGS
-
     case = _case(8, 32, 8, query_lens, context_lens, torch.bfloat16, dim=128)
     out = _run(*case, query_lens, context_lens, CONFIGS[name])
     assert relative_error(out, _reference(*case, query_lens, context_lens)) <= 1e-2
@@ -185,7 +177,6 @@ def test_llama3_8b_heads_match_float64_in_bfloat16_on_the_gpu(name, query_lens, 
 def test_engine_greedy_tokens_are_the_same_with_either_backend(tiny_llama, monkeypatch):
     """Fresh prompts, a 32-token prompt chunked over three steps (16 tokens a step) and decodes in one batch."""
     from engine import SamplingParams
-    from kernels import prefill_attention_triton
     from tests.engine.conftest import make_engine, run_to_completion
 
     prompts = ["Hello there", "The capital of France is Paris. The capital of Italy is Rome. And Spain?", "ab"]
