@@ -120,7 +120,9 @@ def _attend_tile(acc, m, denom, q, qpos, qk_scale, k_ptr, v_ptr, table_row, kv_o
     return acc, m_new, denom
 
 
-@triton.jit
+# Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
+# each value that is 1 or a multiple of 16): the block table's width, the program and sequence counts.
+@triton.jit(do_not_specialize=["stride_tb", "stride_plan", "stride_seqs"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, programs_ptr, sequences_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ot, stride_oh,
                     stride_plan, stride_seqs, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
