@@ -140,7 +140,7 @@ def run_case(name: str, step: Step, configs: dict, device: torch.device) -> dict
         gpu, how = _gpu_us(kernel, device)
         row["triton"][config_name] = dict(
             gpu_us=gpu, gpu_timer=how, host_us=_host_us(kernel, device), rel_diff_vs_torch=diff,
-            programs=plan.num_programs * step.k_cache.shape[2],
+            programs=plan.num_tiles * step.k_cache.shape[2],
             plan_us=_host_us(lambda block_q=block_q: PrefillPlan.build(step.query_lens, step.context_lens, device,
                                                                        block_q), device),
         )

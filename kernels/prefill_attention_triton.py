@@ -4,10 +4,11 @@ A flash-attention kernel (online softmax, fp32 accumulation) for chunks of new t
 the step's prefill sequences lie back to back in q; sequence i's are the last query_lens[i] of its
 context_lens[i] tokens, all already written to the cache. One program serves a tile of BLOCK_Q
 queries of one sequence for every query head of one KV head (GQA), so each K/V tile read through the
-block table feeds BLOCK_Q x group rows. Which sequence and query tile a program takes comes from a
-`PrefillPlan`, built once per step on the host and copied to the device in one tensor, so each layer
-costs one launch and no host sync. The keys below a tile's first query need no mask and run in a
-loop of their own; only the diagonal tiles pay for the causal mask.
+block table feeds BLOCK_Q x group rows. The tiles (sequence, first query) come from a `PrefillPlan`,
+built once per step on the host and copied to the device in one tensor, so each layer costs one
+launch and no host sync. The keys below a tile's first query need no mask and run in a loop of their
+own; only the diagonal tiles pay for the causal mask. head_dim (16 or more) and the cache's block
+size must be powers of two.
 """
 from __future__ import annotations
 
@@ -44,19 +45,19 @@ DEFAULT_CONFIG = CONFIGS["m128_n64_w8_s3"]
 
 @dataclass(frozen=True)
 class PrefillPlan:
-    """Where every program of one step's prefill attention works (device tensors, shared by all layers)."""
+    """The query tiles of one step's prefill attention and their sequences (device tensors, shared by all layers)."""
 
-    programs: torch.Tensor  # [2, P]: sequence index, first query of the tile (within the sequence's new tokens)
+    tiles: torch.Tensor  # [2, P]: sequence index, first query of the tile (within the sequence's new tokens)
     sequences: torch.Tensor  # [3, B]: first row in q, query length, context length
     block_q: int
 
     @property
-    def num_programs(self) -> int:
-        return self.programs.shape[1]
+    def num_tiles(self) -> int:
+        return self.tiles.shape[1]
 
     @staticmethod
     def host_values(query_lens: list[int], context_lens: list[int], block_q: int) -> list[int]:
-        """The plan as flat ints (programs, then sequences), for the caller to copy in one transfer.
+        """The plan as flat ints (tiles, then sequences), for the caller to copy in one transfer.
 
         Tiles that read the most keys come first, so the longest programs start early.
         """
@@ -73,9 +74,9 @@ class PrefillPlan:
     @classmethod
     def from_values(cls, values: torch.Tensor, num_sequences: int, block_q: int) -> PrefillPlan:
         """Views into `values`, the device copy of `host_values`."""
-        num_programs = (values.shape[0] - 3 * num_sequences) // 2
-        return cls(programs=values[:2 * num_programs].view(2, num_programs),
-                   sequences=values[2 * num_programs:].view(3, num_sequences), block_q=block_q)
+        num_tiles = (values.shape[0] - 3 * num_sequences) // 2
+        return cls(tiles=values[:2 * num_tiles].view(2, num_tiles),
+                   sequences=values[2 * num_tiles:].view(3, num_sequences), block_q=block_q)
 
     @classmethod
     def build(cls, query_lens: list[int], context_lens: list[int], device: torch.device | str,
@@ -121,17 +122,18 @@ def _attend_tile(acc, m, denom, q, qpos, qk_scale, k_ptr, v_ptr, table_row, kv_o
 
 
 # Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
-# each value that is 1 or a multiple of 16): the block table's width, the program and sequence counts.
-@triton.jit(do_not_specialize=["stride_tb", "stride_plan", "stride_seqs"])
-def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, programs_ptr, sequences_ptr, out_ptr, qk_scale,
+# each value that is 1 or a multiple of 16): the block table's width, the tile and sequence counts.
+@triton.jit(do_not_specialize=["stride_tb", "stride_tiles", "stride_seqs"])
+def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, sequences_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ot, stride_oh,
-                    stride_plan, stride_seqs, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+                    stride_tiles, stride_seqs, num_kv_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
                     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                     BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
-    program = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq = tl.load(programs_ptr + program)
-    first_query = tl.load(programs_ptr + stride_plan + program).to(tl.int32)
+    # the KV heads of one tile are neighbours, so the plan's heaviest-first order holds across heads
+    tile = tl.program_id(0) // num_kv_heads
+    kv_head = tl.program_id(0) % num_kv_heads
+    seq = tl.load(tiles_ptr + tile)
+    first_query = tl.load(tiles_ptr + stride_tiles + tile).to(tl.int32)
     q_row = tl.load(sequences_ptr + seq).to(tl.int32)
     q_len = tl.load(sequences_ptr + stride_seqs + seq).to(tl.int32)
     ctx_len = tl.load(sequences_ptr + 2 * stride_seqs + seq).to(tl.int32)
@@ -194,12 +196,13 @@ def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         out = torch.empty_like(q)
     if out.stride(2) != 1:
         raise ValueError("out needs a contiguous last dimension")
-    if tokens == 0 or plan.num_programs == 0:
+    if tokens == 0 or plan.num_tiles == 0:
         return out
-    _prefill_kernel[(plan.num_programs, kv_heads)](
-        q, k_cache, v_cache, block_tables, plan.programs, plan.sequences, out, scale * LOG2_E,
+    _prefill_kernel[(plan.num_tiles * kv_heads,)](
+        q, k_cache, v_cache, block_tables, plan.tiles, plan.sequences, out, scale * LOG2_E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1), plan.programs.stride(0), plan.sequences.stride(0),
+        block_tables.stride(0), out.stride(0), out.stride(1), plan.tiles.stride(0), plan.sequences.stride(0),
+        kv_heads,
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
         BLOCK_Q=plan.block_q, BLOCK_N=config.block_n, IEEE=q.dtype == torch.float32,
         num_warps=config.num_warps, num_stages=config.num_stages,
