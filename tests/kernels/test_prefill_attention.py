@@ -181,10 +181,10 @@ def test_engine_greedy_tokens_are_the_same_with_either_backend(tiny_llama, monke
 
     prompts = ["Hello there", "The capital of France is Paris. The capital of Italy is Rome. And Spain?", "ab"]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    launches = []
+    launches = []  # (prefill rows, plan) of each launch
     original = prefill_attention_triton.paged_attention_prefill
     monkeypatch.setattr(prefill_attention_triton, "paged_attention_prefill",
-                        lambda *a, **kw: launches.append(kw["out"].shape[0]) or original(*a, **kw))
+                        lambda *a, **kw: launches.append((kw["out"].shape[0], a[4])) or original(*a, **kw))
 
     def tokens(backend: str) -> list[list[int]]:
         monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", backend)
@@ -194,6 +194,9 @@ def test_engine_greedy_tokens_are_the_same_with_either_backend(tiny_llama, monke
         return [outputs[i].outputs[0].token_ids for i in ids]
 
     triton_tokens = tokens("triton")
-    assert launches == [16, 16, 15, 15, 8, 8]  # two layers: 5 + 11 fresh, 15 chunked, 6 chunked + 2 fresh
+    # two layers a step: 5 + 11 fresh, 15 chunked, 6 chunked + 2 fresh
+    assert [rows for rows, _ in launches] == [16, 16, 15, 15, 8, 8]
+    plans = [plan for _, plan in launches]
+    assert all(plans[i] is plans[i + 1] is not plans[i + 2] for i in (0, 2)), "one plan per step, from build_step"
     assert triton_tokens == tokens("torch")
     assert len(launches) == 6
