@@ -264,24 +264,31 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         profile_to.write_text(_eager_step_profile(engine))
     for request_id in list(engine.requests):
         engine.abort(request_id)
-    # GPU busy time of one step: the captured graph replayed alone, then the LM head and greedy choice
-    # (outside the graph) on its output, back to back
+    # GPU busy time of one step: 20 replays of the captured graph back to back, then 20 steps of replay,
+    # LM head and greedy choice (outside the graph) back to back. Timing each step between syncs instead
+    # would add the device's start-up after idling to every one.
     graphs = engine.runner.graphs
     size = next(b for b in graphs.buckets if b >= batch_size)
-    begin, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-    graph_ms = head_ms = 0.0
-    with torch.inference_mode():
-        for _ in range(20):
+
+    def gpu_ms(step) -> float:
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.inference_mode():
+            step()
+            torch.cuda.synchronize()
             begin.record()
-            graphs.graphs[size].replay()
-            middle.record()
-            engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[size][:batch_size]))
+            for _ in range(20):
+                step()
             end.record()
             torch.cuda.synchronize()
-            graph_ms += begin.elapsed_time(middle) / 20
-            head_ms += middle.elapsed_time(end) / 20
+        return begin.elapsed_time(end) / 20
+
+    def full_step():
+        graphs.graphs[size].replay()
+        engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[size][:batch_size]))
+
+    graph_ms, step_ms = gpu_ms(graphs.graphs[size].replay), gpu_ms(full_step)
     return dict(batch=batch_size, context=context, step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
-                lm_head_and_greedy_ms=head_ms, gpu_idle_fraction=max(0.0, 1 - (graph_ms + head_ms) / wall_ms))
+                lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms))
 
 
 def bytes_floor_ms(engine: LLMEngine, batch_size: int, context: int, distinct_adapters: int, bandwidth: float,
