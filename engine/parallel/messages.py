@@ -29,6 +29,8 @@ class Step:
     num_lora_slots: int
     num_kv_blocks: int
     block_size: int
+    # the Triton prefill attention's plan (tiles, sequences, block_q), made once per step on the driver
+    prefill: tuple[np.ndarray, np.ndarray, int] | None = None
 
 
 @dataclass
@@ -92,6 +94,8 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         lora_slots=None if lora is None else _numpy(lora.slots[:lora.num_tokens]),
         num_lora_slots=0 if lora is None else lora.num_slots,
         num_kv_blocks=num_blocks, block_size=block_size,
+        prefill=None if attn.prefill is None else (_numpy(attn.prefill.tiles), _numpy(attn.prefill.sequences),
+                                                   attn.prefill.block_q),
     )
 
 
@@ -105,13 +109,19 @@ def decode_step(message: Step, device: torch.device) -> StepInput:
         import kernels
 
         lora = kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots)
+    prefill = None
+    if message.prefill is not None:
+        from kernels.prefill_attention_triton import PrefillPlan
+
+        tiles, sequences, block_q = message.prefill
+        prefill = PrefillPlan(tiles=tensor(tiles), sequences=tensor(sequences), block_q=block_q)
     return StepInput(
         input_ids=tensor(message.input_ids),
         positions=tensor(message.positions),
         attention=AttentionMetadata(
             slot_mapping=tensor(message.slot_mapping), block_tables=tensor(message.block_tables),
             context_lens=context_lens, query_lens=list(message.query_lens),
-            context_lens_list=message.context_lens.tolist(), num_decode=message.num_decode,
+            context_lens_list=message.context_lens.tolist(), num_decode=message.num_decode, prefill=prefill,
         ),
         lora=lora,
     )

@@ -181,3 +181,18 @@ def test_bf16_on_two_gpus_matches_one_gpu(tiny_llama, llama_adapters):
         want = [entry[t] for entry, t in zip(b.prompt_logprobs[1:], tokens[1:])]
         assert got == pytest.approx(want, rel=5e-2, abs=5e-2)  # bf16: about 2^-8 per rounding
     sharded_llm.engine.close()
+
+def test_a_steps_prefill_plan_reaches_the_workers_as_built():
+    from engine.parallel.messages import decode_step, encode_step
+    from engine.step_input import AttentionMetadata, StepInput
+    from kernels.prefill_attention_triton import PrefillPlan
+
+    plan = PrefillPlan.build([3, 40], [3, 50], "cpu", block_q=16)
+    tokens = torch.arange(44)
+    step = StepInput(tokens, tokens, AttentionMetadata(
+        slot_mapping=tokens, block_tables=torch.zeros(3, 4, dtype=torch.long), context_lens=torch.tensor([9, 3, 50]),
+        query_lens=[1, 3, 40], context_lens_list=[9, 3, 50], num_decode=1, prefill=plan), lora=None)
+    kv_caches = [(torch.zeros(8, 16, 1, 4), torch.zeros(8, 16, 1, 4))]
+    received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).attention.prefill
+    assert torch.equal(received.tiles, plan.tiles) and torch.equal(received.sequences, plan.sequences)
+    assert received.block_q == plan.block_q
