@@ -86,16 +86,25 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     """Causal attention of the step's prefill rows: the Triton kernel (one launch) on CUDA, the torch loop elsewhere.
 
     `plan` is the step's PrefillPlan (built once per step; without one the Triton path builds it here);
-    k and v (the new tokens' keys and values) serve the torch loop's sequences without earlier context.
+    k and v (the new tokens' keys and values) serve the torch loop's sequences without earlier context,
+    and on CUDA the long fresh prompts the plan leaves to SDPA.
     """
-    if prefill_uses_triton(q.device):
-        from kernels import prefill_attention_triton as triton_prefill
+    if not prefill_uses_triton(q.device):
+        return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, k, v, out)
+    from kernels import prefill_attention_triton as triton_prefill
 
-        if plan is None:
-            block_q = triton_prefill.DEFAULT_CONFIG.block_q(q.shape[1] // k_cache.shape[2])
-            plan = triton_prefill.PrefillPlan.build(query_lens, context_lens, q.device, block_q)
-        return triton_prefill.paged_attention_prefill(q, k_cache, v_cache, block_tables, plan, scale, out=out)
-    return paged_attention_prefill(q, k_cache, v_cache, block_tables, query_lens, context_lens, scale, k, v, out)
+    if plan is None:
+        block_q = triton_prefill.DEFAULT_CONFIG.block_q(q.shape[1] // k_cache.shape[2])
+        plan = triton_prefill.PrefillPlan.build(query_lens, context_lens, q.device, block_q)
+    out = triton_prefill.paged_attention_prefill(q, k_cache, v_cache, block_tables, plan, scale, out=out)
+    start = 0
+    for i, (q_len, ctx_len) in enumerate(zip(query_lens, context_lens)):
+        if triton_prefill.leaves_to_sdpa(q_len, ctx_len):
+            rows = slice(start, start + q_len)
+            paged_attention_prefill(q[rows], k_cache, v_cache, block_tables[i:i + 1], [q_len], [ctx_len], scale,
+                                    None if k is None else k[rows], None if v is None else v[rows], out=out[rows])
+        start += q_len
+    return out
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

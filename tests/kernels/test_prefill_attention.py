@@ -161,6 +161,36 @@ def test_backend_switch_picks_the_prefill_kernel(backend, expect_triton, monkeyp
     assert calls == ([1] if expect_triton else [])
 
 
+def test_the_plan_gives_no_tiles_to_long_fresh_prompts(monkeypatch):
+    monkeypatch.setattr(prefill_attention_triton, "SDPA_MIN_FRESH_TOKENS", 12)
+    plan = PrefillPlan.build([20, 5, 7, 12], [20, 5, 30, 12], "cpu", block_q=4)
+    assert set(plan.tiles[0].tolist()) == {1, 2}
+
+
+def test_long_fresh_prompts_run_through_sdpa_and_the_rest_through_the_kernel(monkeypatch):
+    """Poisoned output: every row is written, by SDPA for the long fresh prompts (20 and 12 tokens with a
+    threshold of 12), by the kernel for a short one and a continued chunk."""
+    from kernels import attention
+
+    monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", "triton")
+    monkeypatch.setattr(prefill_attention_triton, "SDPA_MIN_FRESH_TOKENS", 12)
+    sdpa_lengths = []
+    original = attention.paged_attention_prefill
+    monkeypatch.setattr(attention, "paged_attention_prefill",
+                        lambda *a, **kw: sdpa_lengths.extend(a[4]) or original(*a, **kw))
+    query_lens, context_lens = [20, 5, 7, 12], [20, 5, 30, 12]
+    q, k_cache, v_cache, tables = _case(9, 4, 2, query_lens, context_lens, torch.float32)
+    slots = torch.tensor([table[p // 16] * 16 + p % 16  # the new tokens' keys and values, as the model has them
+                          for table, q_len, ctx in zip(tables.tolist(), query_lens, context_lens)
+                          for p in range(ctx - q_len, ctx)], device=DEVICE)
+    k, v = (cache.view(-1, *cache.shape[2:])[slots] for cache in (k_cache, v_cache))
+    out = torch.full_like(q, float("nan"))
+    prefill_attention(q, k_cache, v_cache, tables, query_lens, context_lens, SCALE, k=k, v=v, out=out)
+    assert sdpa_lengths == [20, 12]
+    assert not out.isnan().any()
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, query_lens, context_lens)) < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 @pytest.mark.parametrize("name", sorted(CONFIGS))
