@@ -5,7 +5,8 @@ threads that slows the engine thread's own Python, which is mostly kernel launch
 in flight (`benchmarks/reader_contention.py`). The children do the same work (`load_adapter`, then
 `SlotLayout.write`) into the host pool, which lives in shared memory, so the engine's GIL is never
 contended; several of them read several adapters at once, as the threads did. `submit` has the
-thread pool's signature: the `LoRAManager` uses either.
+thread pool's signature: the `LoRAManager` uses either. A child that dies (killed, out of memory) fails
+the reads in flight, whose requests then fail with that error, and the children are started afresh.
 """
 from __future__ import annotations
 
@@ -33,21 +34,27 @@ class ProcessReader:
             raise ValueError("the host pool must be in shared memory for a reader process to fill it")
         if processes < 1:
             raise ValueError(f"an adapter reader needs at least one process, got {processes}")
+        self._args = (pool, layout, model_info, allow_pickle)
+        self._count = processes
+        self._futures: dict[int, Future] = {}
+        self._lock = threading.Lock()  # the futures, and the queues and children a restart replaces
+        self._ids = itertools.count()
+        self._closing = False
+        self._start_children()
+        for _ in self._processes:
+            self._wait_until_ready()
+        self._listener = threading.Thread(target=self._listen, name="lora-reader-results", daemon=True)
+        self._listener.start()
+
+    def _start_children(self) -> None:
         context = mp.get_context("spawn")
         self._jobs = context.SimpleQueue()
         self._results = context.Queue()
         self._processes = [context.Process(target=_serve, name=f"lora-reader-{i}", daemon=True,
-                                           args=(pool, layout, model_info, allow_pickle, self._jobs, self._results))
-                           for i in range(processes)]
+                                           args=(*self._args, self._jobs, self._results))
+                           for i in range(self._count)]
         for process in self._processes:
             process.start()
-        for _ in self._processes:
-            self._wait_until_ready()
-        self._futures: dict[int, Future] = {}
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
-        self._listener = threading.Thread(target=self._listen, name="lora-reader-results", daemon=True)
-        self._listener.start()
 
     def _wait_until_ready(self) -> None:
         """One child's "ready". Their imports take seconds: pay them while the engine starts, not in its
@@ -65,14 +72,15 @@ class ProcessReader:
     def submit(self, path: str | Path, row: int) -> Future:
         """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
         future: Future = Future()
-        job = next(self._ids)
         with self._lock:
+            job = next(self._ids)
             self._futures[job] = future
-        self._jobs.put((job, str(path), row))
+            self._jobs.put((job, str(path), row))
         return future
 
     def close(self) -> None:
         """Stop the children (reads in flight finish first); futures still pending fail."""
+        self._closing = True
         self._stop_children()
         self._results.put(None)  # after every child's answers: each flushed them before it exited
         self._listener.join(timeout=10)
@@ -87,7 +95,18 @@ class ProcessReader:
                 process.kill()
 
     def _listen(self) -> None:
-        while (message := self._results.get()) is not None:
+        while True:
+            try:
+                message = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = next((p for p in self._processes if not p.is_alive()), None)
+                if dead is not None and not self._closing:
+                    self._restart(dead)
+                continue
+            if message is None:
+                break
+            if message == "ready":  # a child started by a restart
+                continue
             job, error = message
             with self._lock:
                 future = self._futures.pop(job)
@@ -95,10 +114,30 @@ class ProcessReader:
                 future.set_result(None)
             else:
                 future.set_exception(error)
+        self._fail_pending(RuntimeError("the adapter reader process stopped"))
+
+    def _restart(self, dead: mp.Process) -> None:
+        """A child died (killed, out of memory). It may have died holding the job queue's lock, so every
+        child and both queues are replaced; the reads in flight fail, and later reads go to the new children."""
+        with self._lock:  # reads submitted from here on go to the new children
+            old, lost = self._processes, self._take_pending()
+            self._start_children()
+        for process in old:
+            process.kill()
+            process.join()
+        error = RuntimeError(f"adapter reader process {dead.name} exited (code {dead.exitcode}) with reads in flight")
+        for future in lost:
+            future.set_exception(error)
+
+    def _take_pending(self) -> list[Future]:
+        pending, self._futures = list(self._futures.values()), {}
+        return pending
+
+    def _fail_pending(self, error: Exception) -> None:
         with self._lock:
-            pending, self._futures = list(self._futures.values()), {}
+            pending = self._take_pending()
         for future in pending:
-            future.set_exception(RuntimeError("the adapter reader process stopped"))
+            future.set_exception(error)
 
 
 def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,

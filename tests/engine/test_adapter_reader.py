@@ -71,6 +71,33 @@ def test_a_failed_read_in_the_child_is_the_futures_error(engine, loras, tmp_path
         reader.close()
 
 
+def test_a_dead_child_fails_its_reads_and_is_replaced(engine, loras, tmp_path):
+    """A child killed mid-read (here blocked opening a FIFO) must not leave its read hanging, and the
+    reader must keep reading afterwards."""
+    import multiprocessing
+    import os
+
+    stuck = tmp_path / "stuck"
+    stuck.mkdir()
+    os.mkfifo(stuck / "adapter_config.json")
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    pool = torch.zeros(2, layout.numel).share_memory_()
+    reader = ProcessReader(pool, layout, engine.model_info, allow_pickle=False)
+    try:
+        lost = reader.submit(stuck, 0)
+        for child in multiprocessing.active_children():
+            if child.name.startswith("lora-reader"):
+                child.kill()
+        with pytest.raises(RuntimeError, match="exited .* with reads in flight"):
+            lost.result(timeout=30)
+        reader.submit(loras[0].lora_path, 1).result(timeout=60)
+    finally:
+        reader.close()
+    expected = torch.empty(layout.numel)
+    layout.write(load_adapter(loras[0].lora_path, engine.model_info), expected)
+    assert torch.equal(pool[1], expected)
+
+
 def test_the_reader_needs_a_shared_pool(engine):
     layout = SlotLayout(engine.model.lora_layers(), 16)
     with pytest.raises(ValueError, match="shared memory"):
