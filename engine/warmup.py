@@ -29,11 +29,12 @@ def warm_up_eager_steps(runner: ModelRunner, *, max_num_batched_tokens: int, max
     """Run one mixed step per tile class: a decode row, a continued prompt (earlier context) and fresh
     prompts up to the size. lora_slot: a slot for half of the sequences (the others use none), or None."""
     bs = runner.block_size
-    longest = max(2, max_model_len - 1)
+    longest = max(1, max_model_len - 1)  # a prompt's tokens, leaving a position for the decode row's context
     for size in (*_SMALL_PREFILLS, max(max_num_batched_tokens - 1, 1)):
-        scheduled = [_dummy(2, 1, scratch_block, bs)]
+        scheduled = [_dummy(min(2, max_model_len), 1, scratch_block, bs)]
         continued = min(size // 2, longest // 2)
-        scheduled.append(_dummy(2 * continued, continued, scratch_block, bs))
+        if continued:
+            scheduled.append(_dummy(2 * continued, continued, scratch_block, bs))
         left = size - continued
         while left > 0:
             fresh = min(left, longest)

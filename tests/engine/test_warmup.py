@@ -10,13 +10,14 @@ from tests.engine.conftest import make_engine
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_warm_up_writes_only_the_scratch_block(tiny_llama, lora):
-    engine = make_engine(tiny_llama, num_kv_blocks=8, max_model_len=96, max_num_batched_tokens=300,
+@pytest.mark.parametrize("max_model_len, budget", [(96, 300), (2, 8)], ids=["long-steps", "two-token-window"])
+def test_warm_up_writes_only_the_scratch_block(tiny_llama, lora, max_model_len, budget):
+    engine = make_engine(tiny_llama, num_kv_blocks=8, max_model_len=max_model_len, max_num_batched_tokens=budget,
                          enable_lora=lora)
     scratch = engine.allocator.num_blocks
     before = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
-    warm_up_eager_steps(engine.runner, max_num_batched_tokens=300, max_model_len=96, scratch_block=scratch,
-                        lora_slot=0 if lora else None)
+    warm_up_eager_steps(engine.runner, max_num_batched_tokens=budget, max_model_len=max_model_len,
+                        scratch_block=scratch, lora_slot=0 if lora else None)
     for (k, v), (k0, v0) in zip(engine.runner.kv_caches, before):
         assert torch.equal(k[:scratch], k0[:scratch]) and torch.equal(v[:scratch], v0[:scratch])
         assert not torch.equal(k[scratch], k0[scratch])
