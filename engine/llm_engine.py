@@ -188,15 +188,15 @@ class LLMEngine:
                            max_lora_rank=self.config.max_lora_rank, max_cpu_loras=self.config.max_cpu_loras,
                            device=self.device, dtype=self.dtype,
                            allow_pickle=self.config.allow_pickle_adapters,
-                           read_in_process=self.reads_adapters_in_process, **hooks)
+                           read_in_process=self._adapter_reads_in_process(), **hooks)
 
-    @property
-    def reads_adapters_in_process(self) -> bool:
+    def _adapter_reads_in_process(self) -> bool | None:
         """On a GPU the engine thread is mostly kernel launches, which reader threads slow down through the
-        GIL: there reads go to child processes (`adapter_reader="auto"`). On the CPU threads cost less."""
+        GIL: there reads go to child processes (`adapter_reader="auto"`) when shared memory has room for the
+        host pool (None: the manager checks). On the CPU threads cost less."""
         reader = self.config.adapter_reader
         if reader == "auto":
-            return self.device.type == "cuda" and self.config.tensor_parallel_size == 1
+            return None if self.device.type == "cuda" and self.config.tensor_parallel_size == 1 else False
         return reader == "process"
 
     @cached_property

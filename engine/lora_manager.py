@@ -12,6 +12,8 @@ the scheduler first wants it, a few adapters ahead at most, and again later if i
 from __future__ import annotations
 
 import itertools
+import logging
+import shutil
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
@@ -26,6 +28,8 @@ from .adapter_reader import ProcessReader
 from .lora_layout import SlotLayout
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -42,10 +46,12 @@ class LoRAManager:
     def __init__(self, model: LlamaForCausalLM, model_info: ModelInfo, *, max_loras: int, max_lora_rank: int,
                  max_cpu_loras: int, device: torch.device, dtype: torch.dtype, allow_pickle: bool = False,
                  adapter_transform: Callable[[LoadedAdapter], LoadedAdapter] | None = None,
-                 on_slot_load: Callable[[LoRARequest, int], None] | None = None, read_in_process: bool = False):
+                 on_slot_load: Callable[[LoRARequest, int], None] | None = None,
+                 read_in_process: bool | None = False):
         """adapter_transform: applied to every adapter before it is cached (tensor parallelism: this rank's
         shard). on_slot_load: told of every slot load before it happens (tensor parallelism: the workers).
-        read_in_process: background reads in a child process (`ProcessReader`) instead of threads."""
+        read_in_process: background reads in child processes (`ProcessReader`) instead of threads; None:
+        in processes if the shared memory they fill the host pool through has room for it, else threads."""
         if read_in_process and adapter_transform is not None:
             raise ValueError("adapters transformed per rank (tensor parallelism) are read on threads, not in a process")
         self.model_info = model_info
@@ -61,6 +67,18 @@ class LoRAManager:
         self.layout = SlotLayout(layers, max_lora_rank)
         self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
         self.layout.bind(self._slots, layers)
+        pool_bytes = max_cpu_loras * self.layout.numel * dtype.itemsize
+        if read_in_process is None:
+            read_in_process = pool_bytes <= shared_memory_free()
+            if not read_in_process:
+                logger.warning("adapters are read on threads: the %.1f GiB host pool does not fit in the shared "
+                               "memory (%s) reader processes would fill it through", pool_bytes / 2**30, SHARED_MEMORY)
+        elif read_in_process and pool_bytes > shared_memory_free():
+            raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for max_cpu_loras={max_cpu_loras}) "
+                               f"does not fit in the free shared memory ({SHARED_MEMORY}: "
+                               f"{shared_memory_free() / 2**30:.1f} GiB) that reader processes need; lower "
+                               f"max_cpu_loras, give the container more (docker --shm-size), or read on threads")
+        self.reads_in_process = read_in_process
         self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
                                 shared=read_in_process)
         self._free_rows = list(range(max_cpu_loras))
@@ -322,6 +340,17 @@ class LoRAManager:
         if int_id in self.slot_owner:
             self.slot_owner[self.slot_owner.index(int_id)] = None
         self._drop_host_copy(int_id)
+
+
+SHARED_MEMORY = "/dev/shm"  # where torch's shared CPU tensors live on Linux
+
+
+def shared_memory_free() -> int:
+    """Bytes free for shared CPU tensors (0 where there is no /dev/shm)."""
+    try:
+        return shutil.disk_usage(SHARED_MEMORY).free
+    except OSError:
+        return 0
 
 
 def _host_pool(owner: object, rows: int, numel: int, dtype: torch.dtype, *, pinned: bool,

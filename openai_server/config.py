@@ -124,7 +124,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("max_lora_rank", "Largest adapter rank accepted (default 16).", "int"),
     _Option("max_cpu_loras", "Adapters kept in host memory (default: max_loras; smaller is an error).", "int"),
     _Option("adapter_reader", "Where adapter weights are read from disk in the background: child processes "
-            "or threads (default auto: processes on a GPU, threads on the CPU or with tensor parallelism).",
+            "or threads (default auto: processes on a GPU, threads on the CPU, with tensor parallelism, or when "
+            "/dev/shm has no room for the host copies).",
             choices=("auto", "process", "threads")),
     _Option("allow_runtime_lora_updating", "Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
             "bool", env=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),
