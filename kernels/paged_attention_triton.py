@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax_triton import LOG2_E, fold_tile
+
 # Split until about this many programs per multiprocessor. Measured on the H200 (132 of them) with
 # benchmarks/decode_attention.py: batch x KV heads >= 512 programs run fastest unsplit, fewer gain
 # up to 15x at long contexts (batch 1, 8192 tokens: 234 -> 15 us).
@@ -32,7 +34,7 @@ MAX_SPLITS = 32
 # each value that is 1 or a multiple of 16): an eager step's block table is as wide as its longest
 # sequence, and its split count follows, so each new width would stall a step for a compile.
 @triton.jit(do_not_specialize=["stride_tb", "num_splits"])
-def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, scale,
+def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
                    num_heads, num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
                    BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
@@ -64,16 +66,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(valid[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        scores = tl.where(valid[None, :], scores * qk_scale, float("-inf"))
+        acc, m, denom = fold_tile(acc, m, denom, scores, v, IEEE)
     if SPLIT:
         part = (seq * num_heads + heads) * num_splits + split
         tl.store(m_ptr + part, m, mask=head_ok)
@@ -101,7 +95,7 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_
     m = tl.load(m_ptr + base + parts, mask=ok, other=float("-inf"))
     l = tl.load(l_ptr + base + parts, mask=ok, other=0.0)
     acc = tl.load(acc_ptr + (base + parts)[:, None] * HEAD_DIM + dims[None, :], mask=ok[:, None], other=0.0)
-    weight = tl.exp(m - tl.max(m, axis=0))
+    weight = tl.exp2(m - tl.max(m, axis=0))  # the partial maxima are in log2 units
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
@@ -146,7 +140,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         l = torch.empty_like(m)
         acc = torch.empty(batch, heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
     _decode_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc, scale,
+        q, k_cache, v_cache, block_tables, context_lens, out, m, l, acc, scale * LOG2_E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,

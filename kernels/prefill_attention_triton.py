@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.online_softmax_triton import LOG2_E, fold_tile
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -122,15 +124,7 @@ def _attend_tile(acc, m, denom, q, qpos, qk_scale, k_ptr, v_ptr, table_row, kv_o
         scores = tl.dot(q, tl.trans(k)) * qk_scale
     if CAUSAL:
         scores = tl.where(visible, scores, float("-inf"))
-    m_new = tl.maximum(m, tl.max(scores, axis=1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
-    denom = denom * alpha + tl.sum(p, axis=1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return acc, m_new, denom
+    return fold_tile(acc, m, denom, scores, v, IEEE)
 
 
 # Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
@@ -175,9 +169,6 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, sequences_ptr, o
                                      first_key, dims, stride_kb, stride_kt, BLOCK_SIZE, BLOCK_N, True, IEEE)
     out_offsets = (q_row + token).to(tl.int64)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + out_offsets, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
-
-
-LOG2_E = 1.4426950408889634
 
 
 def paged_attention_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
