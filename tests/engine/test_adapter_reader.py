@@ -30,6 +30,12 @@ def engine(tiny_llama):
     return make_engine(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=16)
 
 
+def _row_the_engine_thread_would_write(engine, layout, path, dtype=torch.float32) -> torch.Tensor:
+    row = torch.empty(layout.numel, dtype=dtype)
+    layout.write(load_adapter(path, engine.model_info), row)
+    return row
+
+
 def test_the_child_process_writes_the_row_the_engine_thread_would(engine, loras):
     layout = SlotLayout(engine.model.lora_layers(), 16)
     pool = torch.full((2, layout.numel), float("nan")).share_memory_()
@@ -38,9 +44,7 @@ def test_the_child_process_writes_the_row_the_engine_thread_would(engine, loras)
         reader.submit(loras[1].lora_path, 1).result(timeout=60)
     finally:
         reader.close()
-    expected = torch.empty(layout.numel)
-    layout.write(load_adapter(loras[1].lora_path, engine.model_info), expected)
-    assert torch.equal(pool[1], expected)
+    assert torch.equal(pool[1], _row_the_engine_thread_would_write(engine, layout, loras[1].lora_path))
     assert pool[0].isnan().all()
 
 
@@ -55,9 +59,7 @@ def test_several_children_fill_their_rows_in_the_pools_dtype(engine, loras):
     finally:
         reader.close()
     for row, lora in enumerate(loras):
-        expected = torch.empty(layout.numel, dtype=torch.bfloat16)
-        layout.write(load_adapter(lora.lora_path, engine.model_info), expected)
-        assert torch.equal(pool[row], expected)
+        assert torch.equal(pool[row], _row_the_engine_thread_would_write(engine, layout, lora.lora_path, torch.bfloat16))
     assert pool[3].isnan().all()
 
 
@@ -93,9 +95,7 @@ def test_a_dead_child_fails_its_reads_and_is_replaced(engine, loras, tmp_path):
         reader.submit(loras[0].lora_path, 1).result(timeout=60)
     finally:
         reader.close()
-    expected = torch.empty(layout.numel)
-    layout.write(load_adapter(loras[0].lora_path, engine.model_info), expected)
-    assert torch.equal(pool[1], expected)
+    assert torch.equal(pool[1], _row_the_engine_thread_would_write(engine, layout, loras[0].lora_path))
 
 
 def test_the_reader_needs_a_shared_pool(engine):
