@@ -74,8 +74,8 @@ class LoRAManager:
                 logger.warning("adapters are read on threads: the %.1f GiB host pool does not fit in the shared "
                                "memory (%s) reader processes would fill it through", pool_bytes / 2**30, SHARED_MEMORY)
         elif read_in_process and pool_bytes > shared_memory_free():
-            raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for max_cpu_loras={max_cpu_loras}) "
-                               f"does not fit in the free shared memory ({SHARED_MEMORY}: "
+            raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for "
+                               f"max_cpu_loras={max_cpu_loras}) does not fit in the free shared memory ({SHARED_MEMORY}: "
                                f"{shared_memory_free() / 2**30:.1f} GiB) that reader processes need; lower "
                                f"max_cpu_loras, give the container more (docker --shm-size), or read on threads")
         self.reads_in_process = read_in_process

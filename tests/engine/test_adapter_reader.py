@@ -59,7 +59,8 @@ def test_several_children_fill_their_rows_in_the_pools_dtype(engine, loras):
     finally:
         reader.close()
     for row, lora in enumerate(loras):
-        assert torch.equal(pool[row], _row_the_engine_thread_would_write(engine, layout, lora.lora_path, torch.bfloat16))
+        expected = _row_the_engine_thread_would_write(engine, layout, lora.lora_path, torch.bfloat16)
+        assert torch.equal(pool[row], expected)
     assert pool[3].isnan().all()
 
 
