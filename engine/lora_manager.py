@@ -75,9 +75,10 @@ class LoRAManager:
                                "memory (%s) reader processes would fill it through", pool_bytes / 2**30, SHARED_MEMORY)
         elif read_in_process and pool_bytes > shared_memory_free():
             raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for "
-                               f"max_cpu_loras={max_cpu_loras}) does not fit in the free shared memory ({SHARED_MEMORY}: "
-                               f"{shared_memory_free() / 2**30:.1f} GiB) that reader processes need; lower "
-                               f"max_cpu_loras, give the container more (docker --shm-size), or read on threads")
+                               f"max_cpu_loras={max_cpu_loras}) does not fit in the free shared memory "
+                               f"({SHARED_MEMORY}: {shared_memory_free() / 2**30:.1f} GiB) that reader processes "
+                               f"need; lower max_cpu_loras, give the container more (docker --shm-size), or read "
+                               f"on threads")
         self.reads_in_process = read_in_process
         self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
                                 shared=read_in_process)
