@@ -415,7 +415,9 @@ def markdown(results: list[Result], meta: dict) -> str:
 
 
 def scenarios(ranks: list[int], smoke: bool) -> list[Scenario]:
-    decode = [(1, 1), (16, 1), (16, 8), (64, 1), (64, 8), (64, 64), (256, 1), (256, 8), (256, 64)]
+    # (128, 32) and (128, 64): the decode graphs' top bucket in serving workloads (d) and (c)
+    decode = [(1, 1), (16, 1), (16, 8), (64, 1), (64, 8), (64, 64), (128, 32), (128, 64), (256, 1), (256, 8),
+              (256, 64)]
     prefill = [(1024, 1), (1024, 8), (1024, 64), (4096, 8), (8192, 1), (8192, 8), (8192, 64)]
     if smoke:
         decode, prefill = [(1, 1), (16, 8), (64, 64)], [(300, 8)]

@@ -35,6 +35,10 @@ HOST_REPEATS = 20
 CASES = {
     "fresh_16x512": ([512] * 16, [0] * 16),
     "fresh_1x8192": ([8192], [0]),
+    # one fresh prompt each: where SDPA starts to win (kernels.prefill_attention_triton.SDPA_MIN_FRESH_TOKENS)
+    "fresh_1x1024": ([1024], [0]),
+    "fresh_1x2048": ([2048], [0]),
+    "fresh_1x4096": ([4096], [0]),
     "chunk_4x2048_after_2048": ([2048] * 4, [2048] * 4),
     "fresh_112x64": ([64] * 112, [0] * 112),
 }
