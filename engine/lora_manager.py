@@ -67,19 +67,8 @@ class LoRAManager:
         self.layout = SlotLayout(layers, max_lora_rank)
         self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
         self.layout.bind(self._slots, layers)
-        pool_bytes = max_cpu_loras * self.layout.numel * dtype.itemsize
-        if read_in_process is None:
-            read_in_process = pool_bytes <= shared_memory_free()
-            if not read_in_process:
-                logger.warning("adapters are read on threads: the %.1f GiB host pool does not fit in the shared "
-                               "memory (%s) reader processes would fill it through", pool_bytes / 2**30, SHARED_MEMORY)
-        elif read_in_process and pool_bytes > shared_memory_free():
-            raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for "
-                               f"max_cpu_loras={max_cpu_loras}) does not fit in the free shared memory "
-                               f"({SHARED_MEMORY}: {shared_memory_free() / 2**30:.1f} GiB) that reader processes "
-                               f"need; lower max_cpu_loras, give the container more (docker --shm-size), or read "
-                               f"on threads")
-        self.reads_in_process = read_in_process
+        self.reads_in_process = read_in_process = _reads_in_process(
+            read_in_process, max_cpu_loras * self.layout.numel * dtype.itemsize, max_cpu_loras)
         self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
                                 shared=read_in_process)
         self._free_rows = list(range(max_cpu_loras))
@@ -352,6 +341,23 @@ def shared_memory_free() -> int:
         return shutil.disk_usage(SHARED_MEMORY).free
     except OSError:
         return 0
+
+
+def _reads_in_process(wanted: bool | None, pool_bytes: int, max_cpu_loras: int) -> bool:
+    """Reader processes fill the host pool through shared memory, which must have room for it: without,
+    None (the engine's "auto") settles for threads and says so, True is refused with what to change."""
+    room = shared_memory_free()
+    if wanted is None:
+        if pool_bytes > room:
+            logger.warning("adapters are read on threads: the %.1f GiB host pool does not fit in the shared "
+                           "memory (%s) reader processes would fill it through", pool_bytes / 2**30, SHARED_MEMORY)
+        return pool_bytes <= room
+    if wanted and pool_bytes > room:
+        raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for max_cpu_loras={max_cpu_loras}) "
+                           f"does not fit in the free shared memory ({SHARED_MEMORY}: {room / 2**30:.1f} GiB) that "
+                           f"reader processes need; lower max_cpu_loras, give the container more (docker "
+                           f"--shm-size), or read on threads")
+    return wanted
 
 
 def _host_pool(owner: object, rows: int, numel: int, dtype: torch.dtype, *, pinned: bool,
