@@ -10,10 +10,15 @@ the reads in flight, whose requests then fail with that error, and the children 
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import pickle
 import queue
+import signal
+import sys
 import threading
+import time
+import types
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -26,6 +31,9 @@ from .lora_layout import SlotLayout
 
 
 class ProcessReader:
+    CLOSE_TIMEOUT_S = 5.0  # for all children together to finish their reads and exit, before they are killed
+    MAX_RESTARTS = 3  # children that die again before any read completes: reading in processes is given up
+
     def __init__(self, pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
                  processes: int = 1):
         """pool: the host rows [rows, layout.numel], in shared memory (`Tensor.share_memory_`); its
@@ -37,9 +45,11 @@ class ProcessReader:
         self._args = (pool, layout, model_info, allow_pickle)
         self._count = processes
         self._futures: dict[int, Future] = {}
-        self._lock = threading.Lock()  # the futures, and the queues and children a restart replaces
+        self._lock = threading.Lock()  # the futures, the state below, and the queues and children a restart replaces
         self._ids = itertools.count()
         self._closing = False
+        self._broken: BaseException | None = None  # why reads can no longer be served, once they cannot
+        self._restarts = 0  # since the last read that completed
         self._start_children()
         for _ in self._processes:
             self._wait_until_ready()
@@ -53,8 +63,9 @@ class ProcessReader:
         self._processes = [context.Process(target=_serve, name=f"lora-reader-{i}", daemon=True,
                                            args=(*self._args, self._jobs, self._results))
                            for i in range(self._count)]
-        for process in self._processes:
-            process.start()
+        with _main_module_hidden():
+            for process in self._processes:
+                process.start()
 
     def _wait_until_ready(self) -> None:
         """One child's "ready". Their imports take seconds: pay them while the engine starts, not in its
@@ -66,83 +77,126 @@ class ProcessReader:
             except queue.Empty:
                 for process in self._processes:
                     if not process.is_alive():
-                        self._stop_children()
+                        self._stop_children(self._processes, self._jobs)
                         raise RuntimeError(f"an adapter reader process exited at start (code {process.exitcode})")
 
     def submit(self, path: str | Path, row: int) -> Future:
         """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
         future: Future = Future()
         with self._lock:
+            if self._broken is not None:
+                future.set_exception(self._broken)
+                return future
             job = next(self._ids)
             self._futures[job] = future
             self._jobs.put((job, str(path), row))
         return future
 
     def close(self) -> None:
-        """Stop the children (reads in flight finish first); futures still pending fail."""
-        self._closing = True
-        self._stop_children()
-        self._results.put(None)  # after every child's answers: each flushed them before it exited
+        """Stop the children (reads in flight get CLOSE_TIMEOUT_S to finish); futures still pending fail."""
+        with self._lock:
+            self._closing = True
+            processes, jobs, results = self._processes, self._jobs, self._results
+        self._stop_children(processes, jobs)
+        results.put(None)  # after every child's answers: each flushed them before it exited
         self._listener.join(timeout=10)
 
-    def _stop_children(self) -> None:
-        for process in self._processes:
-            if process.is_alive():
-                self._jobs.put(None)
-        for process in self._processes:
-            process.join(timeout=10)
+    def _stop_children(self, processes: list, jobs) -> None:
+        """Ask each child to exit after its read; kill those still there at the deadline, or at once if one
+        died (it may have held the job queue's lock, so the others would never get their request)."""
+        if all(process.is_alive() for process in processes):
+            for _ in processes:
+                jobs.put(None)
+            deadline = time.monotonic() + self.CLOSE_TIMEOUT_S
+            for process in processes:
+                process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in processes:
             if process.is_alive():
                 process.kill()
+            process.join(timeout=self.CLOSE_TIMEOUT_S)
 
     def _listen(self) -> None:
-        while True:
-            try:
-                message = self._results.get(timeout=1.0)
-            except queue.Empty:
+        """Resolve the futures from the children's answers, and restart the children when one dies. Any
+        failure here fails every pending read and every later one, rather than leaving them to hang."""
+        try:
+            while True:
                 dead = next((p for p in self._processes if not p.is_alive()), None)
-                if dead is not None and not self._closing:
-                    self._restart(dead)
-                continue
-            if message is None:
-                break
-            if message == "ready":  # a child started by a restart
-                continue
-            job, error = message
-            with self._lock:
-                future = self._futures.pop(job)
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
-        self._fail_pending(RuntimeError("the adapter reader process stopped"))
+                if dead is not None and not self._restart(dead):
+                    break
+                try:
+                    message = self._results.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if message is None:
+                    break
+                if message == "ready":  # a child started by a restart
+                    continue
+                job, error = message
+                with self._lock:
+                    future = self._futures.pop(job, None)
+                    self._restarts = 0
+                if future is not None:
+                    future.set_result(None) if error is None else future.set_exception(error)
+        except BaseException as exc:  # the listener must not die silently: see the docstring
+            self._give_up(RuntimeError(f"the adapter reader failed: {type(exc).__name__}: {exc}"))
+            return
+        self._give_up(RuntimeError("the adapter reader process stopped"))
 
-    def _restart(self, dead: mp.Process) -> None:
+    def _restart(self, dead: mp.Process) -> bool:
         """A child died (killed, out of memory). It may have died holding the job queue's lock, so every
-        child and both queues are replaced; the reads in flight fail, and later reads go to the new children."""
-        with self._lock:  # reads submitted from here on go to the new children
-            old, lost = self._processes, self._take_pending()
-            self._start_children()
-        for process in old:
-            process.kill()
-            process.join()
+        child and both queues are replaced; the reads in flight fail, and later reads go to the new children.
+        All under the lock, so no read is put on a queue nobody reads. False when the reader is closing, or
+        its children died MAX_RESTARTS times in a row without a read completing."""
+        with self._lock:
+            if self._closing:
+                return False
+            lost = self._take_pending()
+            self._restarts += 1
+            too_many = self._restarts > self.MAX_RESTARTS
+            self._stop_children(self._processes, self._jobs)  # one is dead: the rest are killed at once
+            if not too_many:
+                self._start_children()
         error = RuntimeError(f"adapter reader process {dead.name} exited (code {dead.exitcode}) with reads in flight")
         for future in lost:
             future.set_exception(error)
+        if too_many:
+            self._give_up(RuntimeError(f"adapter reader processes keep exiting (last: {dead.name}, code "
+                                       f"{dead.exitcode}); no more adapters can be read"))
+        return not too_many
 
     def _take_pending(self) -> list[Future]:
         pending, self._futures = list(self._futures.values()), {}
         return pending
 
-    def _fail_pending(self, error: Exception) -> None:
+    def _give_up(self, error: BaseException) -> None:
+        """Fail every pending read and every later one with `error`."""
         with self._lock:
+            if self._broken is None:
+                self._broken = error
             pending = self._take_pending()
         for future in pending:
             future.set_exception(error)
 
 
+@contextlib.contextmanager
+def _main_module_hidden():
+    """Spawned children re-import the parent's main script unless it was started with -m: one without an
+    `if __name__ == "__main__":` guard (an offline script building an `LLM`) would then run again in every
+    child. The children run `_serve` from this module and need nothing of __main__, so it is hidden from
+    multiprocessing while they start."""
+    main = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = main
+
+
 def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
            jobs, results) -> None:
-    """A child's loop: one read at a time, each answered with (job, None) or (job, the error)."""
+    """A child's loop: one read at a time, each answered with (job, None) or (job, the error). Ctrl-C is
+    the parent's to handle: the parent closes the reader as it shuts down."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     results.put("ready")
     while (job := jobs.get()) is not None:
@@ -155,9 +209,10 @@ def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_
 
 
 def _sendable(exc: Exception) -> Exception:
-    """The error itself when it pickles (AdapterError does), else a RuntimeError that says what it was."""
+    """The error itself when it survives pickling both ways (AdapterError does), else a RuntimeError that
+    says what it was."""
     try:
-        pickle.dumps(exc)
+        pickle.loads(pickle.dumps(exc))
         return exc
     except Exception:  # unpicklable exceptions come in many kinds
         return RuntimeError(f"{type(exc).__name__}: {exc}")

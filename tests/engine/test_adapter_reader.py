@@ -1,6 +1,8 @@
 """Adapter reads in a child process (`adapter_reader="process"`): same weights, same tokens, same errors."""
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -74,29 +76,83 @@ def test_a_failed_read_in_the_child_is_the_futures_error(engine, loras, tmp_path
         reader.close()
 
 
-def test_a_dead_child_fails_its_reads_and_is_replaced(engine, loras, tmp_path):
-    """A child killed mid-read (here blocked opening a FIFO) must not leave its read hanging, and the
-    reader must keep reading afterwards."""
+def _kill_readers() -> None:
     import multiprocessing
-    import os
 
-    stuck = tmp_path / "stuck"
-    stuck.mkdir()
-    os.mkfifo(stuck / "adapter_config.json")
+    for child in multiprocessing.active_children():
+        if child.name.startswith("lora-reader"):
+            child.kill()
+
+
+def test_a_read_around_a_childs_death_never_hangs_and_the_reader_reads_on(engine, loras):
+    """Killed while idle, the child may hold the job queue's lock; whether the read submitted right after is
+    failed (it was in flight when the death was seen) or served by the new children, it ends, and so does
+    the next one."""
     layout = SlotLayout(engine.model.lora_layers(), 16)
     pool = torch.zeros(2, layout.numel).share_memory_()
     reader = ProcessReader(pool, layout, engine.model_info, allow_pickle=False)
     try:
-        lost = reader.submit(stuck, 0)
-        for child in multiprocessing.active_children():
-            if child.name.startswith("lora-reader"):
-                child.kill()
-        with pytest.raises(RuntimeError, match="exited .* with reads in flight"):
-            lost.result(timeout=30)
+        _kill_readers()
+        around = reader.submit(loras[1].lora_path, 0)
+        try:
+            around.result(timeout=60)
+        except RuntimeError as exc:
+            assert "exited" in str(exc) and "with reads in flight" in str(exc)
         reader.submit(loras[0].lora_path, 1).result(timeout=60)
     finally:
         reader.close()
     assert torch.equal(pool[1], _row_the_engine_thread_would_write(engine, layout, loras[0].lora_path))
+
+
+def test_children_that_keep_dying_fail_every_later_read_at_once(engine, loras, monkeypatch):
+    monkeypatch.setattr(ProcessReader, "MAX_RESTARTS", 0)
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    reader = ProcessReader(torch.zeros(1, layout.numel).share_memory_(), layout, engine.model_info,
+                           allow_pickle=False)
+    try:
+        _kill_readers()
+        deadline = time.monotonic() + 30
+        while (read := reader.submit(loras[0].lora_path, 0)).exception(timeout=30) is None:
+            assert time.monotonic() < deadline, "the reader never gave up"
+        assert "keep exiting" in str(read.exception()) or "exited" in str(read.exception())
+        assert "keep exiting" in str(reader.submit(loras[0].lora_path, 0).exception(timeout=0))
+    finally:
+        reader.close()
+
+
+def test_an_error_that_does_not_unpickle_is_sent_as_a_runtime_error():
+    from engine.adapter_reader import _sendable
+
+    class TwoArguments(Exception):
+        def __init__(self, what, why):
+            super().__init__(f"{what}: {why}")
+
+    sent = _sendable(TwoArguments("read", "broken"))
+    assert type(sent) is RuntimeError and "TwoArguments: read: broken" in str(sent)
+
+
+def test_a_script_without_a_main_guard_runs_once_with_reader_processes(tiny_llama, loras, tmp_path):
+    """Spawned children would re-import the user's main script; the reader hides it from them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "offline.py"
+    script.write_text(
+        "import sys\n"
+        "from engine import LLM, LoRARequest, SamplingParams\n"
+        "print('top level ran', flush=True)\n"
+        "llm = LLM(sys.argv[1], dtype='float32', device='cpu', enable_lora=True, max_loras=1, max_lora_rank=16,\n"
+        "          adapter_reader='process')\n"
+        "outputs = llm.generate(['Hello'], SamplingParams(temperature=0, max_tokens=2),\n"
+        "                       lora_request=[LoRARequest('a', 1, sys.argv[2])], use_tqdm=False)\n"
+        "print('generated', len(outputs[0].outputs[0].token_ids), flush=True)\n")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script), str(tiny_llama), loras[0].lora_path], cwd=repo,
+                          capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(repo)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1
+    assert "generated 2" in done.stdout
 
 
 def test_the_reader_needs_a_shared_pool(engine):
