@@ -54,6 +54,8 @@ class LoRAManager:
         in processes if the shared memory they fill the host pool through has room for it, else threads."""
         if read_in_process and adapter_transform is not None:
             raise ValueError("adapters transformed per rank (tensor parallelism) are read on threads, not in a process")
+        if adapter_transform is not None:
+            read_in_process = False  # "if there is room" (None) too: the children would not apply the transform
         self.model_info = model_info
         self.max_lora_rank = max_lora_rank
         self.max_cpu_loras = max_cpu_loras
@@ -344,19 +346,21 @@ def shared_memory_free() -> int:
 
 
 def _reads_in_process(wanted: bool | None, pool_bytes: int, max_cpu_loras: int) -> bool:
-    """Reader processes fill the host pool through shared memory, which must have room for it: without,
-    None (the engine's "auto") settles for threads and says so, True is refused with what to change."""
-    room = shared_memory_free()
+    """Reader processes fill the host pool through shared memory, which must have room for it (and a tenth
+    more, for whatever else shares it): without, None (the engine's "auto") settles for threads and says
+    so, True is refused with what to change."""
+    free = shared_memory_free()
+    fits = pool_bytes <= 0.9 * free
     if wanted is None:
-        if pool_bytes > room:
+        if not fits:
             logger.warning("adapters are read on threads: the %.1f GiB host pool does not fit in the shared "
                            "memory (%s) reader processes would fill it through", pool_bytes / 2**30, SHARED_MEMORY)
-        return pool_bytes <= room
-    if wanted and pool_bytes > room:
+        return fits
+    if wanted and not fits:
         raise RuntimeError(f"the adapter host pool ({pool_bytes / 2**30:.1f} GiB for max_cpu_loras={max_cpu_loras}) "
-                           f"does not fit in the free shared memory ({SHARED_MEMORY}: {room / 2**30:.1f} GiB) that "
-                           f"reader processes need; lower max_cpu_loras, give the container more (docker "
-                           f"--shm-size), or read on threads")
+                           f"does not fit in the free shared memory ({SHARED_MEMORY}: {free / 2**30:.1f} GiB, of "
+                           f"which 90% may be used) that reader processes need; lower max_cpu_loras, give the "
+                           f"container more (docker --shm-size), or read on threads")
     return wanted
 
 

@@ -207,17 +207,22 @@ def test_a_cpu_engine_reads_on_threads_by_default(tiny_llama):
     assert not make_engine(tiny_llama, enable_lora=True).lora_manager.reads_in_process
 
 
-def _manager(engine, read_in_process):
+def _manager(engine, read_in_process, **kwargs):
     from engine.lora_manager import LoRAManager
 
     return LoRAManager(engine.model, engine.model_info, max_loras=1, max_lora_rank=16, max_cpu_loras=2,
-                       device=torch.device("cpu"), dtype=torch.float32, read_in_process=read_in_process)
+                       device=torch.device("cpu"), dtype=torch.float32, read_in_process=read_in_process, **kwargs)
 
 
 def test_reader_processes_are_refused_without_room_in_shared_memory(engine, monkeypatch):
     monkeypatch.setattr("engine.lora_manager.shared_memory_free", lambda: 1024)
     with pytest.raises(RuntimeError, match=r"does not fit in the free shared memory \(/dev/shm"):
         _manager(engine, read_in_process=True)
+
+
+def test_adapters_transformed_per_rank_are_read_on_threads_even_with_room_for_processes(engine):
+    manager = _manager(engine, read_in_process=None, adapter_transform=lambda adapter: adapter)
+    assert not manager.reads_in_process
 
 
 def test_auto_reads_on_threads_when_shared_memory_has_no_room(engine, monkeypatch, caplog):
