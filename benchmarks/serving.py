@@ -165,12 +165,14 @@ def time_phases(engine: LLMEngine) -> dict[str, float]:
         return run
 
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
+    engine.scheduler.schedule_decode = timed("schedule", engine.scheduler.schedule_decode)  # async decode steps
     engine.runner.execute = timed("launch", engine.runner.execute)
     return spent
 
 
 def untime_phases(engine: LLMEngine) -> None:
-    for owner, name in ((engine.scheduler, "schedule"), (engine.runner, "execute")):
+    for owner, name in ((engine.scheduler, "schedule"), (engine.scheduler, "schedule_decode"),
+                        (engine.runner, "execute")):
         owner.__dict__.pop(name, None)
 
 
@@ -408,11 +410,11 @@ def _reader_variant(text: str) -> tuple[int, float]:
 
 
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
+    settings = dict(adapter_reader=args.adapter_reader) | overrides
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_batched_tokens, adapter_reader=args.adapter_reader,
-                          **overrides)
+                          max_num_batched_tokens=args.max_batched_tokens, **settings)
     return LLMEngine(config)
 
 
@@ -450,7 +452,8 @@ def main() -> None:
     parser.add_argument("--workloads", nargs="*", default=list(WORKLOADS), choices=WORKLOADS,
                         help="base: (a) and its decode profile; adapters: (b), (c), online; zipf: (d)")
     parser.add_argument("--zipf-reader-variants", type=_reader_variant, nargs="*", default=[],
-                        help="extra (d) runs, each THREADS:SWITCH_MS (adapter reader threads, GIL switch interval)")
+                        help="extra (d) runs reading on threads, each THREADS:SWITCH_MS (adapter reader threads, "
+                             "GIL switch interval)")
     parser.add_argument("--adapter-reader", choices=("auto", "threads", "process"), default="auto",
                         help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
@@ -547,7 +550,7 @@ def main() -> None:
         population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         picks = zipf_choice(len(batch), len(population))
         picked = set(picks)
-        unpicked = [population[i] for i in range(len(population)) if i not in picked]
+        unpicked = [population[i] for i in range(len(population)) if i not in picked] or [None]
         warm_up(engine, batch, unpicked[-8:], args)  # adapters the run never asks for: it reads all its own
         with cpu_profile(out / "profile_d_host.txt" if args.profile_host else None):
             RESULTS["d_1000_zipf"] = offline(engine, batch, [population[i] for i in picks], args.output_len,
@@ -564,7 +567,7 @@ def main() -> None:
             release_gpu_memory()
             LoRAManager.READER_THREADS = threads
             sys.setswitchinterval(interval_ms / 1e3)
-            engine = build_engine(model_dir, args, **zipf_engine)
+            engine = build_engine(model_dir, args, **zipf_engine, adapter_reader="threads")
             variant = offline(engine, batch, [population[i] for i in picks], args.output_len)
             RESULTS.setdefault("d_reader_variants", []).append(dict(variant, reader_threads=threads,
                                                                     switch_interval_ms=interval_ms))

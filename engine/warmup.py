@@ -30,7 +30,8 @@ def warm_up_eager_steps(runner: ModelRunner, *, max_num_batched_tokens: int, max
     prompts up to the size. lora_slot: a slot for half of the sequences (the others use none), or None."""
     bs = runner.block_size
     longest = max(1, max_model_len - 1)  # a prompt's tokens, leaving a position for the decode row's context
-    for size in (*_SMALL_PREFILLS, max(max_num_batched_tokens - 1, 1)):
+    prefill_budget = max(max_num_batched_tokens - 1, 1)  # a step holds the decode row too
+    for size in sorted({min(size, prefill_budget) for size in (*_SMALL_PREFILLS, prefill_budget)}):
         scheduled = [_dummy(min(2, max_model_len), 1, scratch_block, bs)]
         continued = min(size // 2, longest // 2)
         if continued:
