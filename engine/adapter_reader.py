@@ -144,21 +144,26 @@ class ProcessReader:
 
     def _restart(self, dead: mp.Process) -> bool:
         """A child died (killed, out of memory). It may have died holding the job queue's lock, so every
-        child and both queues are replaced; the reads in flight fail, and later reads go to the new children.
+        child and both queues are replaced; the reads in flight fail (those already answered keep their answer),
+        and later reads go to the new children.
         All under the lock, so no read is put on a queue nobody reads. False when the reader is closing, or
         its children died MAX_RESTARTS times in a row without a read completing."""
         with self._lock:
             if self._closing:
                 return False
-            lost = self._take_pending()
+            pending, self._futures = self._futures, {}
             self._restarts += 1
             too_many = self._restarts > self.MAX_RESTARTS
             self._stop_children(self._processes, self._jobs)  # one is dead: the rest are killed at once
+            answered = _drain(self._results)  # reads the others finished before they were killed
             if not too_many:
                 self._start_children()
         error = RuntimeError(f"adapter reader process {dead.name} exited (code {dead.exitcode}) with reads in flight")
-        for future in lost:
-            future.set_exception(error)
+        for job, future in pending.items():
+            if job in answered and answered[job] is None:
+                future.set_result(None)
+            else:
+                future.set_exception(answered.get(job) or error)
         if too_many:
             self._give_up(RuntimeError(f"adapter reader processes keep exiting (last: {dead.name}, code "
                                        f"{dead.exitcode}); no more adapters can be read"))
@@ -176,6 +181,19 @@ class ProcessReader:
             pending = self._take_pending()
         for future in pending:
             future.set_exception(error)
+
+
+def _drain(results) -> dict[int, BaseException | None]:
+    """The answers (job -> error or None) already in a results queue, without waiting for more."""
+    answered = {}
+    while True:
+        try:
+            message = results.get(timeout=0.1)
+        except queue.Empty:
+            return answered
+        if isinstance(message, tuple):
+            job, error = message
+            answered[job] = error
 
 
 @contextlib.contextmanager
