@@ -106,6 +106,7 @@ class LoRAManager:
         self.known[lora_request.lora_int_id] = lora_request
         if adapter is not None:
             row = self._reserve_row()
+            self._wait_for_row(row)
             self.layout.write(self._transform(adapter), self._pool[row])
             self._cache(lora_request.lora_int_id, row)
         else:
@@ -155,12 +156,16 @@ class LoRAManager:
         return False
 
     def _submit_read(self, lora_request: LoRARequest, row: int) -> Future:
-        last_copy = self._row_copies.pop(row, None)
-        if self._process_reader is None:
-            return self._reader.submit(self._read, lora_request, row, last_copy)
-        if last_copy is not None:  # rows are reused least recently used first: long finished, in practice
-            last_copy.synchronize()
+        if self._process_reader is None:  # the thread waits for the row itself, after the disk read
+            return self._reader.submit(self._read, lora_request, row, self._row_copies.pop(row, None))
+        self._wait_for_row(row)  # rows are reused least recently used first: long finished, in practice
         return self._process_reader.submit(lora_request.lora_path, row)
+
+    def _wait_for_row(self, row: int) -> None:
+        """Block until the slot load that last read host row `row` has finished, so it may be overwritten."""
+        last_copy = self._row_copies.pop(row, None)
+        if last_copy is not None:
+            last_copy.synchronize()
 
     def take_read_error(self, lora_request: LoRARequest) -> BaseException | None:
         """Why the adapter's weights could not be read (the requests waiting for it fail with it);
