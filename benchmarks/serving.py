@@ -394,14 +394,12 @@ def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[l
 
 def warm_up(engine: LLMEngine, batch: list[list[int]], loras: list, args) -> None:
     """A short run shaped like the measured ones: full prefill chunks, then prefill chunks cut short by
-    decode rows, then decodes of every batch size down to one, and a step of a few hundred tokens. The
-    Triton kernels compile for all of those shapes before the clock starts (a warm-up of one chunk left
-    the mixed steps' compiles to the first measured run, which made the first engine's first workload
-    look slower)."""
+    decode rows, then decodes of every batch size down to one. Their kernels compile, and the adapters and
+    decode graphs are used, before the clock starts (a warm-up of one chunk left the mixed steps' compiles
+    to the first measured run, which made the first engine's first workload look slower). The engine's own
+    start-up warm-up (`engine/warmup.py`) already covers each LoRA tile class once."""
     count = args.max_num_seqs + max(1, args.max_batched_tokens // args.prompt_len)
     offline(engine, batch[:count], [loras[i % len(loras)] for i in range(count)], 8)
-    short = [prompt[:200] for prompt in batch[:2]]  # steps of 128-511 tokens take 16-row SGMV tiles
-    offline(engine, short, [loras[i % len(loras)] for i in range(len(short))], 2)
 
 
 def _reader_variant(text: str) -> tuple[int, float]:
