@@ -2,8 +2,8 @@
 
 A slot is one row of a [slots, numel] buffer holding every projection's A [max_rank, in] and
 B [out, max_rank] side by side. The device slots and the host copies share this layout, so loading
-an adapter into a slot is a single host-to-device copy, and a host copy is written once, on a reader
-thread, in the form the kernels read.
+an adapter into a slot is a single host-to-device copy, and a host copy is written once, by a reader
+thread or process, in the form the kernels read.
 """
 from __future__ import annotations
 
