@@ -12,7 +12,7 @@ from torch import nn
 
 import kernels
 from kernels import fused
-from kernels.attention import decode_attention, prefill_attention, write_kv
+from kernels.attention import decode_attention, prefill_attention
 
 from .step_input import AttentionMetadata, StepInput
 
@@ -73,9 +73,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        return fused.rotary(q, k, self.cos, self.sin, positions)
-
 
 class Attention(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding):
@@ -97,9 +94,9 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv_cache
-        write_kv(k_cache, v_cache, k, v, attn.slot_mapping)
+        fused.rotary_and_write_kv(q, k, v, self.rotary.cos, self.rotary.sin, positions, k_cache, v_cache,
+                                  attn.slot_mapping)
         split = attn.num_decode
         if attn.decode_only:
             out = decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)

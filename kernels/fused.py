@@ -1,4 +1,4 @@
-"""Fused per-token ops of a decoder layer: RMSNorm with the residual add, SiLU·up, rotary embedding.
+"""Fused per-token ops of a decoder layer: RMSNorm with the residual add, SiLU·up, rotary + KV-cache write.
 
 CUDA tensors take the Triton kernels (one launch per op instead of a chain of small elementwise
 kernels: 7-15x faster at decode shapes on the H200, see BENCHMARKS.md); other tensors take the torch
@@ -34,7 +34,14 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return _backend(gate_up).silu_and_mul(gate_up)
 
 
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, H, D] and k [T, KVH, D] (cos/sin tables [P, D] with equal halves)."""
-    return _backend(q).rotary(q, k, cos, sin, positions)
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place, then store the rotated k and v [T, KVH, D] in the caches.
+
+    cos/sin are tables [P, D] with equal halves, indexed by `positions` [T]; the caches are
+    [blocks, block_size, KVH, D] and `slot_mapping` [T] holds each token's flat slot
+    (block * block_size + offset). On the Triton path this is one launch where rotary(q),
+    rotary(k) and the KV write were three.
+    """
+    _backend(q).rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import write_kv_torch
+
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,6 +27,16 @@ def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     c = cos[positions].unsqueeze(1)
     s = sin[positions].unsqueeze(1)
     return _rotate(q, c, s), _rotate(k, c, s)
+
+
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """`rotary` written back into q and k, then `write_kv_torch` of the rotated k and of v."""
+    rotated_q, rotated_k = rotary(q, k, cos, sin, positions)
+    q.copy_(rotated_q)
+    k.copy_(rotated_k)
+    write_kv_torch(k_cache, v_cache, k, v, slot_mapping)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

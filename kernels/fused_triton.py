@@ -66,28 +66,85 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_table, heads,
-                   HALF: tl.constexpr, HEADS_PAD: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * stride_table + dims)
-    sin = tl.load(sin_ptr + pos * stride_table + dims)
-    head = tl.arange(0, HEADS_PAD)
-    mask = (head < heads)[:, None]
-    base = x_ptr + token * stride_t + head[:, None] * stride_h + dims[None, :]
+def _rotate(base, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate the [heads, D] rows at `base` in place; returns their rotated halves in the tensor's dtype."""
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
-    tl.store(base, (a * cos[None, :] - b * sin[None, :]).to(x1.dtype), mask=mask)
-    tl.store(base + HALF, (b * cos[None, :] + a * sin[None, :]).to(x1.dtype), mask=mask)
+    y1 = (a * cos - b * sin).to(x1.dtype)
+    y2 = (b * cos + a * sin).to(x1.dtype)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_table, heads,
+                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    in_half = dims < HALF
+    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=in_half, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_table + dims, mask=in_half, other=0.0)[None, :]
+    head = tl.arange(0, HEADS_PAD)
+    _rotate(x_ptr + token * stride_t + head[:, None] * stride_h + dims[None, :], cos, sin,
+            (head < heads)[:, None] & in_half[None, :], HALF)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on q and k (views of the fused q/k/v output are fine: only the last dim must be dense)."""
+    """In place on q and k, one launch each (views of the fused q/k/v output are fine: only the last dim must be dense)."""
     for x in (q, k):
         tokens, heads, dim = x.shape
         _rotary_kernel[(tokens,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), heads,
-                                  HALF=dim // 2, HEADS_PAD=triton.next_power_of_2(heads), num_warps=4)
+                                  HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
+                                  HEADS_PAD=triton.next_power_of_2(heads), num_warps=4)
     return q, k
+
+
+@triton.jit
+def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+                                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+                                stride_cache_slot, stride_cache_head, heads, kv_heads, HALF: tl.constexpr,
+                                HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr):
+    token = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    dims = tl.arange(0, HALF_PAD)
+    in_half = dims < HALF
+    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=in_half, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + pos * stride_table + dims, mask=in_half, other=0.0)[None, :]
+    head = tl.arange(0, HEADS_PAD)
+    _rotate(q_ptr + token * stride_qt + head[:, None] * stride_qh + dims[None, :], cos, sin,
+            (head < heads)[:, None] & in_half[None, :], HALF)
+    kv_head = tl.arange(0, KV_HEADS_PAD)[:, None]
+    kv_mask = (kv_head < kv_heads) & in_half[None, :]
+    k1, k2 = _rotate(k_ptr + token * stride_kt + kv_head * stride_kh + dims[None, :], cos, sin, kv_mask, HALF)
+    slot = tl.load(slots_ptr + token).to(tl.int64)
+    cache_row = slot * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
+    k_type, v_type = k_cache_ptr.dtype.element_ty, v_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + cache_row, k1.to(k_type), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_row + HALF, k2.to(k_type), mask=kv_mask)
+    v_row = v_ptr + token * stride_vt + kv_head * stride_vh + dims[None, :]
+    tl.store(v_cache_ptr + cache_row, tl.load(v_row, mask=kv_mask).to(v_type), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_row + HALF, tl.load(v_row + HALF, mask=kv_mask).to(v_type), mask=kv_mask)
+
+
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """One launch, one program per token: rotate its q and k heads in place, store its rotated k and its v.
+
+    q, k, v may be strided views (only the last dim must be dense); the caches are contiguous and
+    of one shape [blocks, block_size, kv_heads, D], so a flat slot is block * block_size + offset.
+    """
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if tokens == 0:
+        return
+    _rotary_and_write_kv_kernel[(tokens,)](
+        q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads,
+        HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2), HEADS_PAD=triton.next_power_of_2(heads),
+        KV_HEADS_PAD=triton.next_power_of_2(kv_heads), num_warps=4,
+    )
