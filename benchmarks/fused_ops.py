@@ -1,8 +1,10 @@
-"""The fused decoder-layer ops, torch reference vs Triton, at Llama-3-8B shapes on the GPU.
+"""The fused decoder-layer ops at Llama-3-8B shapes on the GPU: what each replaces against the Triton kernel.
 
-For each op and token count it checks the Triton result against float64 and times both backends
+For each op and token count it checks the Triton result against float64 and times both sides
 (median of `triton.testing.do_bench`, CUDA-graph replay), so the choice of the CUDA default rests
-on a measurement.
+on a measurement. RMSNorm, SiLU·up and rotary are timed against their torch chains;
+rotary_and_write_kv (one launch) against the three Triton launches it replaces: rotary of q,
+rotary of k, and the KV-cache write.
 
     python benchmarks/fused_ops.py [--out DIR]
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -18,10 +21,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import fused_torch, fused_triton  # noqa: E402
+from kernels import fused_torch, fused_triton, kv_write_triton  # noqa: E402
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 4096, 14336, 32, 8, 128
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4096, 14336, 32, 8, 128, 16
 DTYPE = torch.bfloat16
+TORCH_CHAIN = "torch"
+THREE_LAUNCHES = "rotary(q)+rotary(k)+write_kv"
+
+
+@dataclass
+class Case:
+    """One op at one token count: the code it replaces, the Triton kernel, and its float64 check."""
+
+    baseline: str
+    run_baseline: Callable[[], object]
+    run_triton: Callable[[], object]
+    check: Callable[[], float]
 
 
 def _graph_time_us(fn: Callable[[], object]) -> float:
@@ -34,8 +49,8 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def _cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
-    """op name -> (run with a backend module, float64 reference check returning the relative error)."""
+def _cases(tokens: int) -> dict[str, Case]:
+    """op name -> its Case, on fresh random inputs."""
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE, generator=gen)
     residual = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE, generator=gen)
@@ -46,10 +61,19 @@ def _cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().cuda(), emb.sin().cuda()
     positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
+    num_blocks = tokens // BLOCK_SIZE + 2
+    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda", generator=gen)[:tokens]
+
+    def qkv_views(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = buffer.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
+        return q.view(tokens, HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM), v.view(tokens, KV_HEADS, HEAD_DIM)
 
     def qk(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q, k, _ = buffer.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        return q.view(tokens, HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM)
+        return qkv_views(buffer)[:2]
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(torch.zeros(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+                     for _ in range(2))
 
     def check_norm() -> float:
         out, _ = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
@@ -66,11 +90,35 @@ def _cases(tokens: int) -> dict[str, tuple[Callable, Callable]]:
         got_q, got_k = qk(got)
         return max(_rel(got_q, want_q), _rel(got_k, want_k))
 
+    def check_rotary_and_write_kv() -> float:
+        got, (k_cache, v_cache) = qkv.clone(), caches()
+        fused_triton.rotary_and_write_kv(*qkv_views(got), cos, sin, positions, k_cache, v_cache, slots)
+        want_q, want_k = fused_torch.rotary(*qk(qkv.double()), cos.double(), sin.double(), positions)
+        got_q, got_k, _ = qkv_views(got)
+        cached_k, cached_v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
+        return max(_rel(got_q, want_q), _rel(got_k, want_k), _rel(cached_k, want_k),
+                   _rel(cached_v, qkv_views(qkv)[2]))
+
     scratch = qkv.clone()
+    q, k, v = qkv_views(scratch)
+    k_cache, v_cache = caches()
+
+    def three_launches() -> None:
+        fused_triton.rotary(q, k, cos, sin, positions)
+        kv_write_triton.write_kv(k_cache, v_cache, k, v, slots)
+
     return {
-        "add_rms_norm": (lambda m: m.add_rms_norm(x, residual, weight, 1e-5), check_norm),
-        "silu_and_mul": (lambda m: m.silu_and_mul(gate_up), check_silu),
-        "rotary": (lambda m: m.rotary(*qk(scratch), cos, sin, positions), check_rotary),
+        "add_rms_norm": Case(TORCH_CHAIN, lambda: fused_torch.add_rms_norm(x, residual, weight, 1e-5),
+                             lambda: fused_triton.add_rms_norm(x, residual, weight, 1e-5), check_norm),
+        "silu_and_mul": Case(TORCH_CHAIN, lambda: fused_torch.silu_and_mul(gate_up),
+                             lambda: fused_triton.silu_and_mul(gate_up), check_silu),
+        "rotary": Case(TORCH_CHAIN, lambda: fused_torch.rotary(q, k, cos, sin, positions),
+                       lambda: fused_triton.rotary(q, k, cos, sin, positions), check_rotary),
+        "rotary_and_write_kv": Case(
+            THREE_LAUNCHES, three_launches,
+            lambda: fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots),
+            check_rotary_and_write_kv,
+        ),
     }
 
 
@@ -80,15 +128,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = []
-    print(f"{'op':<14}{'tokens':>7}{'torch us':>10}{'triton us':>11}{'speedup':>9}{'rel err':>10}")
+    print(f"{'op':<21}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
     for tokens in args.tokens:
-        for name, (run, check) in _cases(tokens).items():
-            err = check()
-            torch_us = _graph_time_us(lambda: run(fused_torch))
-            triton_us = _graph_time_us(lambda: run(fused_triton))
-            rows.append(dict(op=name, tokens=tokens, torch_us=torch_us, triton_us=triton_us, rel_err=err))
-            print(f"{name:<14}{tokens:>7}{torch_us:>10.1f}{triton_us:>11.1f}{torch_us / triton_us:>8.2f}x{err:>10.1e}",
-                  flush=True)
+        for name, case in _cases(tokens).items():
+            err = case.check()
+            baseline_us = _graph_time_us(case.run_baseline)
+            triton_us = _graph_time_us(case.run_triton)
+            rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=baseline_us,
+                             triton_us=triton_us, rel_err=err))
+            print(f"{name:<21}{tokens:>7}{baseline_us:>13.1f}{triton_us:>11.1f}{baseline_us / triton_us:>8.2f}x"
+                  f"{err:>10.1e}  {case.baseline}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fused_ops.json").write_text(json.dumps(rows, indent=1))
