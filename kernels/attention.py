@@ -5,6 +5,8 @@ tokens live in the blocks its block table lists, in order. The KV write and the 
 run Triton kernels on CUDA tensors (split-context decode, one launch for K and V, one launch for
 all of a step's prefill sequences) and torch elsewhere; `LORASERVE_ATTENTION_BACKEND=triton|torch`
 forces one (with `TRITON_INTERPRET=1` the Triton kernels run on the CPU, which is how CI checks them).
+The model itself writes the cache through `kernels.fused.rotary_and_write_kv`, which fuses the write
+with the rotary embedding (its torch path calls `write_kv_torch`) and follows the fused-op switch.
 """
 from __future__ import annotations
 
