@@ -4,7 +4,9 @@ For each op and token count it checks the Triton result against float64 and time
 (median of `triton.testing.do_bench`, CUDA-graph replay), so the choice of the CUDA default rests
 on a measurement. RMSNorm, SiLU·up and rotary are timed against their torch chains;
 rotary_and_write_kv (one launch) against the three Triton launches it replaces: rotary of q,
-rotary of k, and the KV-cache write.
+rotary of k, and the KV-cache write. The greedy choice (argmax and its log-probability over the
+128k vocabulary, at decode batch sizes) is timed against the torch chain on float32 logits that
+the engine ran before.
 
     python benchmarks/fused_ops.py [--out DIR]
 """
@@ -21,12 +23,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import fused_torch, fused_triton, kv_write_triton  # noqa: E402
+from kernels import fused_torch, fused_triton, greedy, greedy_triton, kv_write_triton  # noqa: E402
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 4096, 14336, 32, 8, 128, 16
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, VOCAB = 4096, 14336, 32, 8, 128, 16, 128256
+MAX_GREEDY_ROWS = 256  # one row per decoding sequence
 DTYPE = torch.bfloat16
 TORCH_CHAIN = "torch"
 THREE_LAUNCHES = "rotary(q)+rotary(k)+write_kv"
+FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
 
 
 @dataclass
@@ -107,7 +111,16 @@ def _cases(tokens: int) -> dict[str, Case]:
         fused_triton.rotary(q, k, cos, sin, positions)
         kv_write_triton.write_kv(k_cache, v_cache, k, v, slots)
 
-    return {
+    logits = torch.randn(min(tokens, MAX_GREEDY_ROWS), VOCAB, device="cuda", dtype=DTYPE, generator=gen) * 4
+
+    def check_greedy() -> float:
+        token_ids, logprobs = greedy_triton.greedy(logits, VOCAB)
+        reference = logits.double()
+        if not torch.equal(token_ids, reference.argmax(dim=-1)):
+            return float("inf")
+        return _rel(logprobs, reference.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1))
+
+    cases = {
         "add_rms_norm": Case(TORCH_CHAIN, lambda: fused_torch.add_rms_norm(x, residual, weight, 1e-5),
                              lambda: fused_triton.add_rms_norm(x, residual, weight, 1e-5), check_norm),
         "silu_and_mul": Case(TORCH_CHAIN, lambda: fused_torch.silu_and_mul(gate_up),
@@ -120,6 +133,10 @@ def _cases(tokens: int) -> dict[str, Case]:
             check_rotary_and_write_kv,
         ),
     }
+    if tokens <= MAX_GREEDY_ROWS:
+        cases["greedy"] = Case(FLOAT32_CHAIN, lambda: greedy.greedy_torch(logits.float(), VOCAB),
+                               lambda: greedy_triton.greedy(logits, VOCAB), check_greedy)
+    return cases
 
 
 def main() -> None:

@@ -7,13 +7,15 @@ Padding rows write their KV to a scratch block nobody reads and use no adapter.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 import kernels
 
 from .model import LlamaForCausalLM
-from .step_input import AttentionMetadata, DeviceTokens, StepInput
+from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:
@@ -75,7 +77,9 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.lora_meta: dict[int, object] = {}
+        self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
+        self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots and os.environ.get(
+            "LORASERVE_LORA_OVERLAP", "1") == "1" else None
         self._capture_all()
 
     def _step_input(self, size: int) -> StepInput:
@@ -84,7 +88,8 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size], query_lens=[1] * size, context_lens_list=[1] * size,
             num_decode=size,
         )
-        return StepInput(self.input_ids[:size], self.positions[:size], attention, self.lora_meta.get(size))
+        lora = LoRAStep(self.lora_meta[size], self.lora_side_stream) if self.num_lora_slots else None
+        return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()

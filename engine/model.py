@@ -14,7 +14,7 @@ import kernels
 from kernels import fused
 from kernels.attention import decode_attention, prefill_attention
 
-from .step_input import AttentionMetadata, StepInput
+from .step_input import AttentionMetadata, LoRAStep, StepInput
 
 
 class LoRALinear(nn.Module):
@@ -34,11 +34,20 @@ class LoRALinear(nn.Module):
         self.lora_a: list[torch.Tensor] | None = None
         self.lora_b: list[torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)
-        if lora is not None and self.lora_a is not None:
-            h = kernels.lora_shrink_slices(x, self.lora_a, lora)
-            kernels.lora_expand_slices(y, h, self.lora_b, lora)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+        if lora is None or self.lora_a is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        if lora.side_stream is None:
+            y = nn.functional.linear(x, self.weight, self.bias)
+            h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
+        else:
+            main = torch.cuda.current_stream()
+            lora.side_stream.wait_stream(main)
+            with torch.cuda.stream(lora.side_stream):
+                h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
+            y = nn.functional.linear(x, self.weight, self.bias)
+            main.wait_stream(lora.side_stream)
+        kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y
 
 
@@ -171,8 +180,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits in the model's dtype: the sampler upcasts what it reads, and the greedy kernel reads them
+        as they are instead of a float32 copy."""
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head
-        return nn.functional.linear(hidden, head).float()
+        return nn.functional.linear(hidden, head)
 
     def init_dummy_weights(self, seed: int) -> None:
         """Random weights at the real shapes, for benchmarks that cannot download a checkpoint."""

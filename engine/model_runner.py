@@ -10,7 +10,7 @@ from kernels.attention import prefill_uses_triton
 
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledSequence
-from .step_input import AttentionMetadata, DeviceTokens, StepInput
+from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
 
 
 @dataclass
@@ -80,7 +80,7 @@ class ModelRunner:
         )
         lora = None
         if any(s >= 0 for s in adapter_slots):
-            lora = kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots)
+            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:

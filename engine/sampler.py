@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from kernels.greedy import greedy
 
 _UINT64 = (1 << 64) - 1
 # How many of the most likely tokens are searched for the top-p nucleus before falling back to a full sort.
@@ -140,9 +141,7 @@ class Sampler:
         return PendingTokens(token_ids, logprobs, host)
 
     def _greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = logits[:, : self.vocab_size].float()
-        values, token_ids = raw.max(dim=-1)  # the first maximum, as argmax takes; its value, as gather reads
-        return token_ids, values - torch.logsumexp(raw, dim=-1)
+        return greedy(logits, self.vocab_size)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
+    from kernels.lora_metadata import LoRAMetadata
     from kernels.prefill_attention_triton import PrefillPlan
 
 
@@ -28,11 +29,21 @@ class AttentionMetadata:
 
 
 @dataclass
+class LoRAStep:
+    """The adapters' part of a step. side_stream, in CUDA-graph decode steps: the stream each LoRA shrink
+    runs on while its base matmul runs on the main one (the shrinks are latency-bound and the skinny
+    decode matmuls leave SMs idle); the expand waits for both."""
+
+    meta: LoRAMetadata  # the tokens grouped by adapter slot
+    side_stream: torch.cuda.Stream | None = None
+
+
+@dataclass
 class StepInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attention: AttentionMetadata
-    lora: Any  # kernels.LoRAMetadata, or None when no token uses an adapter
+    lora: LoRAStep | None  # None when no token uses an adapter
 
 
 @dataclass

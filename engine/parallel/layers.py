@@ -14,6 +14,7 @@ from torch import nn
 
 from ..model import LlamaForCausalLM, LoRALinear
 from ..model_loader import iter_safetensors
+from ..step_input import LoRAStep
 from .group import TensorParallelGroup
 from .sharding import full_module_shapes, shard_config, shard_weights
 
@@ -30,15 +31,15 @@ class RowParallelLoRALinear(LoRALinear):
         super().__init__(in_features, out_sizes, bias, names)
         self.group = group
 
-    def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         y = self.group.all_reduce(nn.functional.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         if lora is not None and self.lora_a is not None:
             import kernels
 
-            h = self.group.all_reduce(kernels.lora_shrink_slices(x, self.lora_a, lora))
-            kernels.lora_expand_slices(y, h, self.lora_b, lora)
+            h = self.group.all_reduce(kernels.lora_shrink_slices(x, self.lora_a, lora.meta))
+            kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y
 
 

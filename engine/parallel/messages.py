@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from ..lora_request import LoRARequest
-from ..step_input import AttentionMetadata, StepInput
+from ..step_input import AttentionMetadata, LoRAStep, StepInput
 
 
 @dataclass
@@ -91,8 +91,8 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         input_ids=_numpy(step.input_ids), positions=_numpy(step.positions),
         slot_mapping=_numpy(attn.slot_mapping), block_tables=_numpy(attn.block_tables),
         context_lens=_numpy(attn.context_lens), query_lens=list(attn.query_lens), num_decode=attn.num_decode,
-        lora_slots=None if lora is None else _numpy(lora.slots[:lora.num_tokens]),
-        num_lora_slots=0 if lora is None else lora.num_slots,
+        lora_slots=None if lora is None else _numpy(lora.meta.slots[:lora.meta.num_tokens]),
+        num_lora_slots=0 if lora is None else lora.meta.num_slots,
         num_kv_blocks=num_blocks, block_size=block_size,
         prefill=None if attn.prefill is None else (_numpy(attn.prefill.tiles), _numpy(attn.prefill.sequences),
                                                    attn.prefill.block_q),
@@ -108,7 +108,7 @@ def decode_step(message: Step, device: torch.device) -> StepInput:
     if message.lora_slots is not None:
         import kernels
 
-        lora = kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots)
+        lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots))
     prefill = None
     if message.prefill is not None:
         from kernels.prefill_attention_triton import PrefillPlan

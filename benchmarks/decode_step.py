@@ -1,0 +1,75 @@
+"""Decode-step time against its bytes floor on the GPU, for the base model and for 64 adapters, at a few
+batch sizes, with each way of running the LoRA shrinks (on a side stream alongside the base matmul, or
+after it on the main stream). A shorter companion of `serving.py` for comparing decode-path changes.
+
+    python3 benchmarks/decode_step.py --out DIR
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.hbm import measure_bandwidth  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    SHAPES, build_engine, bytes_floor_ms, decode_step_profile, make_adapters, make_model_dir, release_gpu_memory,
+)
+from engine import LoRARequest  # noqa: E402
+
+OVERLAP_ENV = "LORASERVE_LORA_OVERLAP"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--work", default="/tmp/loraserve-bench")
+    parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = parser.parse_args()
+    args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
+    args.device, args.adapter_reader = "cuda", "threads"
+    args.out.mkdir(parents=True, exist_ok=True)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    model_dir = make_model_dir(Path(args.work), args.shape)
+    paths = make_adapters(Path(args.work) / f"adapters-{args.shape}", model_dir, args.shape, 64, 16)
+    bandwidth = measure_bandwidth("cuda")
+    results: dict = {"bandwidth_tbs": bandwidth / 1e12, "rows": []}
+
+    def measure(label: str, engine, loras_for) -> None:
+        for batch in args.batches:
+            t = time.perf_counter()
+            row = decode_step_profile(engine, batch, args.prompt_len, loras_for(batch), vocab)
+            distinct = len({lora.lora_int_id for lora in loras_for(batch) if lora is not None})
+            row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth)
+            row["over_floor"] = row["step_wall_ms"] / row["floor_ms"]
+            row["case"] = label
+            results["rows"].append(row)
+            print(f"{label:28} b{batch:<4} wall {row['step_wall_ms']:.2f} ms  graph {row['graph_replay_ms']:.2f}  "
+                  f"head+greedy {row['lm_head_and_greedy_ms']:.2f}  floor {row['floor_ms']:.2f}  "
+                  f"x{row['over_floor']:.3f}  ({time.perf_counter() - t:.0f} s)", flush=True)
+            (args.out / "decode_step.json").write_text(json.dumps(results, indent=1))
+
+    engine = build_engine(model_dir, args)
+    measure("base", engine, lambda b: [None] * b)
+    del engine
+    release_gpu_memory()
+    for overlap in ("1", "0"):
+        os.environ[OVERLAP_ENV] = overlap
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        for request in requests:
+            engine.lora_manager.add(request)
+        label = "64 adapters, " + ("shrink on a side stream" if overlap == "1" else "shrink after the matmul")
+        measure(label, engine, lambda b: [requests[i % 64] for i in range(b)])
+        del engine
+        release_gpu_memory()
+
+
+if __name__ == "__main__":
+    main()
