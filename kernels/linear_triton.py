@@ -57,28 +57,27 @@ def _linear_kernel(
     rows_w = tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
     k_lo = ks * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     if SWAP_AB:
+        x_ptrs = x_ptr + rows_x[None, :] + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+        w_ptrs = w_ptr + rows_w[:, None] + offs_k[None, :]  # W tile [BLOCK_N, BLOCK_K]
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
+        x_ptrs = x_ptr + rows_x[:, None] + offs_k[None, :]  # x tile [BLOCK_M, BLOCK_K]
+        w_ptrs = w_ptr + rows_w[None, :] + offs_k[:, None]  # W^T tile [BLOCK_K, BLOCK_N]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        if SWAP_AB:
-            x_ptrs = x_ptr + rows_x[None, :] + offs_k[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
-            w_ptrs = w_ptr + rows_w[:, None] + offs_k[None, :]  # W tile [BLOCK_N, BLOCK_K]
-            k_x = offs_k[:, None] < K
-            k_w = offs_k[None, :] < K
-        else:
-            x_ptrs = x_ptr + rows_x[:, None] + offs_k[None, :]  # x tile [BLOCK_M, BLOCK_K]
-            w_ptrs = w_ptr + rows_w[None, :] + offs_k[:, None]  # W^T tile [BLOCK_K, BLOCK_N]
-            k_x = offs_k[None, :] < K
-            k_w = offs_k[:, None] < K
         if EVEN_K:
             xv = tl.load(x_ptrs)
             wv = tl.load(w_ptrs)
         else:
-            xv = tl.load(x_ptrs, mask=k_x, other=0.0)
-            wv = tl.load(w_ptrs, mask=k_w, other=0.0)
+            in_k = k0 + tl.arange(0, BLOCK_K) < K
+            if SWAP_AB:
+                xv = tl.load(x_ptrs, mask=in_k[:, None], other=0.0)
+                wv = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+            else:
+                xv = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+                wv = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
         if SWAP_AB:
             a, b = wv, xv
         else:
@@ -87,6 +86,8 @@ def _linear_kernel(
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
     y_offs = _tile_offsets(offs_m, offs_n, stride_ym, SWAP_AB)
     y_mask = _tile_mask(offs_m, offs_n, M, N, SWAP_AB)
     if SPLIT_K == 1:

@@ -1,0 +1,332 @@
+"""Skinny GEMM `y = x @ W^T` at Llama-3-8B decode shapes: cuBLAS (`F.linear`) against Triton configs.
+
+For each layer linear (qkv, o, gate_up, down) and batch M it times cuBLAS and candidate
+`kernels.linear_triton` configs, each checked once against cuBLAS (bf16 rel err <= 1e-2).
+Weights come from HBM as in a 32-layer step, not from the 50 MB L2: one CUDA graph holds a
+sequence of calls cycling over distinct copies of W (more than 256 MB in all) and the replay
+time, a median of CUDA-event timings, is divided by the number of calls. The floor is W + x + y
+bytes over the bandwidth of a 2 GiB device-to-device copy measured in the same run.
+
+Candidates run round-robin (every shape and batch gets the first candidate before any gets the
+second) and no new one starts past `--budget-s`, so a short budget still covers every row.
+Results go to DIR/skinny_gemm.json and DIR/skinny_gemm.md after every round; the winners that
+beat cuBLAS are printed last as the `_TUNED` literal of `kernels/linear_tuning.py`.
+
+    python benchmarks/skinny_gemm.py --out DIR [--budget-s 150]
+    python benchmarks/skinny_gemm.py --smoke --out DIR   # tiny shapes; without CUDA, under the Triton interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+
+from benchmarks.hbm import measure_bandwidth  # noqa: E402
+from kernels import linear_tuning  # noqa: E402
+from kernels.linear_triton import LinearWorkspace, linear  # noqa: E402
+from kernels.linear_tuning import LinearConfig  # noqa: E402
+
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16
+MAX_REL_ERR = 1e-2
+WEIGHT_SET_BYTES = 320 << 20  # distinct W copies per graph: well past the 50 MB L2
+MIN_CALLS = 16
+REPLAYS = 20
+SMEM_BYTES = 227 << 10  # H200 shared memory per block
+MIN_SPEEDUP = 1.02  # below this a Triton win is within noise and cuBLAS stays
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    k: int
+    n: int
+
+
+LLAMA3_8B = (Shape("qkv", 4096, 6144), Shape("o", 4096, 4096), Shape("gate_up", 4096, 28672),
+             Shape("down", 14336, 4096))
+BATCHES = (1, 16, 32, 64, 128)
+SMOKE_SHAPES = (Shape("qkv", 96, 48), Shape("o", 64, 64), Shape("gate_up", 64, 160), Shape("down", 160, 64))
+SMOKE_BATCHES = (1, 5, 33)
+
+
+def _cfg(block_n: int, block_k: int, split_k: int, warps: int, stages: int, swap: bool = False) -> LinearConfig:
+    return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, num_stages=stages,
+                        swap_ab=swap)
+
+
+# Most promising first: the budget cuts the tail. Programs for o/down (N 4096) = 4096 / block_n * split_k.
+CANDIDATES = [
+    _cfg(64, 256, 2, 4, 4), _cfg(32, 256, 2, 4, 4), _cfg(64, 256, 4, 4, 4), _cfg(128, 256, 4, 8, 3),
+    _cfg(64, 256, 2, 4, 4, True), _cfg(64, 512, 2, 8, 3), _cfg(32, 512, 2, 4, 3), _cfg(64, 128, 4, 4, 6),
+    _cfg(128, 256, 2, 4, 3, True), _cfg(64, 256, 1, 4, 4), _cfg(128, 256, 1, 8, 4), _cfg(64, 256, 8, 4, 4),
+    _cfg(32, 256, 4, 4, 5), _cfg(128, 128, 4, 4, 5), _cfg(32, 256, 1, 4, 5), _cfg(128, 256, 4, 4, 4, True),
+    _cfg(64, 512, 4, 4, 3, True), _cfg(16, 512, 2, 4, 4), _cfg(64, 128, 2, 4, 6), _cfg(128, 128, 2, 8, 4),
+    _cfg(128, 256, 8, 8, 3), _cfg(32, 512, 4, 4, 3), _cfg(16, 256, 4, 4, 6), _cfg(64, 256, 1, 4, 4, True),
+]
+SMOKE_CANDIDATES = [_cfg(16, 32, 1, 4, 1), _cfg(32, 64, 2, 4, 1), _cfg(16, 32, 3, 4, 1, True)]
+
+
+def fits_smem(cfg: LinearConfig, m: int, shape: Shape) -> bool:
+    """Whether the pipelined x and W tiles can fit (num_stages - 1 buffers of each, 2-byte elements)."""
+    block_m = max(16, triton.next_power_of_2(m))
+    block_k = min(cfg.block_k, triton.next_power_of_2(shape.k))
+    return (cfg.num_stages - 1) * block_k * (cfg.block_n + block_m) * 2 <= SMEM_BYTES
+
+
+def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).mul_(scale).to(DTYPE)
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def time_per_call(calls: list[Callable[[], object]]) -> float:
+    """Microseconds per call: on CUDA the median of REPLAYS replays of one graph of all the calls."""
+    for call in calls:  # compile and warm up outside the capture
+        call()
+    if not CUDA:
+        began = time.perf_counter()
+        for call in calls:
+            call()
+        return (time.perf_counter() - began) / len(calls) * 1e6
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    events = []
+    for i in range(REPLAYS + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        if i >= 3:
+            events.append((start, end))
+    torch.cuda.synchronize()
+    us = statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / len(calls)
+    del graph
+    return us
+
+
+@dataclass
+class Row:
+    shape: str
+    m: int
+    n: int
+    k: int
+    floor_us: float
+    cublas_us: float = math.nan
+    triton_us: float = math.inf
+    config: dict | None = None
+    tried: int = 0
+    failed: int = 0
+    error: str = ""
+
+    @property
+    def speedup(self) -> float:
+        return self.cublas_us / self.triton_us if math.isfinite(self.triton_us) else math.nan
+
+    def pct(self, us: float) -> float:
+        return 100 * self.floor_us / us if math.isfinite(us) else math.nan
+
+
+class Case:
+    """One (shape, M): distinct W copies cycled over a graph's calls, a static x, y and split-K workspace."""
+
+    def __init__(self, shape: Shape, m: int, weights: list[torch.Tensor], workspace: LinearWorkspace,
+                 bandwidth: float) -> None:
+        self.shape, self.m, self.weights, self.workspace = shape, m, weights, workspace
+        self.x = rand(m, shape.k)
+        self.y = torch.empty(m, shape.n, dtype=DTYPE, device=DEVICE)
+        self.calls = len(weights) * -(-MIN_CALLS // len(weights)) if CUDA else len(weights)
+        nbytes = (shape.n * shape.k + m * shape.k + m * shape.n) * DTYPE.itemsize
+        self.row = Row(shape.name, m, shape.n, shape.k, nbytes / bandwidth * 1e6)
+
+    def cublas(self) -> None:
+        self.row.cublas_us = time_per_call([
+            (lambda w=self.weights[i % len(self.weights)]: F.linear(self.x, w)) for i in range(self.calls)
+        ])
+
+    def triton(self, cfg: LinearConfig, log: list) -> None:
+        entry = {"shape": self.shape.name, "m": self.m, "config": asdict(cfg)}
+        self.row.tried += 1
+        try:
+            y = linear(self.x, self.weights[0], self.y, config=cfg, workspace=self.workspace)
+            err = rel_err(y, F.linear(self.x, self.weights[0]))
+            entry["rel_err"] = err
+            if not err <= MAX_REL_ERR:
+                raise AssertionError(f"rel err {err:.3g} against cuBLAS")
+            us = time_per_call([
+                (lambda w=self.weights[i % len(self.weights)]: linear(self.x, w, self.y, config=cfg,
+                                                                      workspace=self.workspace))
+                for i in range(self.calls)
+            ])
+            entry["us"] = us
+            if us < self.row.triton_us:
+                self.row.triton_us, self.row.config = us, asdict(cfg)
+        except Exception as exc:  # noqa: BLE001 - one broken candidate must not lose the table
+            self.row.failed += 1
+            entry["error"] = "".join(traceback.format_exception_only(exc))[-400:]
+            self.row.error = entry["error"].strip().splitlines()[-1][:120]
+        log.append(entry)
+
+
+def candidates_for(case: Case, pool: list[LinearConfig]) -> list[LinearConfig]:
+    """The shape's default config first, then the pool, without repeats or configs past shared memory."""
+    default = linear_tuning.default_config(case.m, case.shape.n, case.shape.k)
+    out = []
+    for cfg in [default, *pool]:
+        if cfg not in out and (not CUDA or fits_smem(cfg, case.m, case.shape)):
+            out.append(cfg)
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def fmt(v: float, digits: int = 1) -> str:
+    return "-" if math.isnan(v) or math.isinf(v) else f"{v:.{digits}f}"
+
+
+def cfg_text(cfg: dict | None) -> str:
+    if cfg is None:
+        return "-"
+    text = f"n{cfg['block_n']} k{cfg['block_k']} s{cfg['split_k']} w{cfg['num_warps']} st{cfg['num_stages']}"
+    return text + (" swap" if cfg["swap_ab"] else "")
+
+
+def markdown(rows: list[Row], meta: dict) -> str:
+    out = [
+        f"Device: {meta['device']}; copy bandwidth {meta['bandwidth_gbs']:.0f} GB/s; torch {meta['torch']}, "
+        f"triton {meta['triton']}; bf16; {meta['elapsed_s']:.0f} s, budget {meta['budget_s']:.0f} s. "
+        "Floor: W + x + y bytes at the copy bandwidth; per call, W from HBM.",
+        "",
+        "| linear | M | N | K | floor µs | cuBLAS µs | cuBLAS % floor | Triton µs | Triton % floor | speed-up "
+        "| best config | tried (failed) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r.shape} | {r.m} | {r.n} | {r.k} | {fmt(r.floor_us)} | {fmt(r.cublas_us)} | {fmt(r.pct(r.cublas_us), 0)} "
+            f"| {fmt(r.triton_us)} | {fmt(r.pct(r.triton_us), 0)} | {fmt(r.speedup, 2)} | {cfg_text(r.config)} "
+            f"| {r.tried} ({r.failed}) |"
+        )
+    errors = [r for r in rows if r.error]
+    if errors:
+        out += ["", "Last error per row:"] + [f"- {r.shape} M={r.m}: {r.error}" for r in errors]
+    return "\n".join(out)
+
+
+def table_source(rows: list[Row]) -> str:
+    """The winners as the `_TUNED` literal of kernels/linear_tuning.py: entries where Triton beat cuBLAS by
+    MIN_SPEEDUP, the others as comments."""
+    lines = ["_TUNED: dict[tuple[int, int, int], LinearConfig] = {"]
+    for r in rows:
+        bucket = linear_tuning.m_bucket(r.m)
+        if r.config is None or bucket is None:
+            continue
+        entry = (f"({bucket}, {r.n}, {r.k}): {LinearConfig(**r.config)!r},  # {r.shape}: cuBLAS {r.cublas_us:.1f} us, "
+                 f"Triton {r.triton_us:.1f} us")
+        lines.append(f"    {entry}" if r.speedup >= MIN_SPEEDUP else f"    # cuBLAS wins: {entry}")
+    return "\n".join(lines + ["}"])
+
+
+def finite(value: object) -> object:
+    """JSON-safe: non-finite floats become null, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    return value
+
+
+def write(out_dir: Path | None, rows: list[Row], meta: dict, log: list) -> None:
+    if out_dir is None:
+        return
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = {"meta": meta, "rows": [asdict(r) | {"speedup": r.speedup} for r in rows], "candidates": log,
+            "table": table_source(rows)}
+    (out_dir / "skinny_gemm.json").write_text(json.dumps(finite(data), indent=1))
+    (out_dir / "skinny_gemm.md").write_text(markdown(rows, meta) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--budget-s", type=float, default=150.0, help="start no new candidate past this")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes and configs (a CPU runs them interpreted)")
+    args = parser.parse_args()
+    began = time.monotonic()
+    torch.manual_seed(0)
+    shapes, batches, pool = (SMOKE_SHAPES, SMOKE_BATCHES, SMOKE_CANDIDATES) if args.smoke else \
+        (LLAMA3_8B, BATCHES, CANDIDATES)
+    bandwidth = measure_bandwidth(DEVICE)
+    meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter)",
+            "bandwidth_gbs": bandwidth / 1e9, "torch": torch.__version__, "triton": triton.__version__,
+            "budget_s": args.budget_s, "elapsed_s": 0.0, "smoke": args.smoke}
+    print(f"{meta['device']}: copy bandwidth {bandwidth / 1e9:.1f} GB/s", flush=True)
+
+    cases = []
+    for shape in shapes:
+        w_bytes = shape.n * shape.k * DTYPE.itemsize
+        copies = max(2, -(-WEIGHT_SET_BYTES // w_bytes)) if CUDA else 2
+        weights = [rand(shape.n, shape.k, scale=shape.k ** -0.5) for _ in range(copies)]
+        max_split = max(linear_tuning.MAX_SPLIT_K, *(c.split_k for c in pool))
+        workspace = LinearWorkspace.create(max(batches), shape.n, max_split, DEVICE)
+        cases += [Case(shape, m, weights, workspace, bandwidth) for m in batches]
+    log: list = []
+    for case in cases:
+        case.cublas()
+        print(f"  cuBLAS {case.shape.name} M={case.m}: {case.row.cublas_us:.1f} us "
+              f"(floor {case.row.floor_us:.1f} us)", flush=True)
+    rows = [case.row for case in cases]
+    queues = {id(case): candidates_for(case, pool) for case in cases}
+    for rank in range(max(len(q) for q in queues.values())):
+        for case in cases:
+            queue = queues[id(case)]
+            if rank >= len(queue) or time.monotonic() - began > args.budget_s:
+                continue
+            case.triton(queue[rank], log)
+            last = log[-1]
+            print(f"  {case.shape.name} M={case.m} {cfg_text(last['config'])}: "
+                  f"{fmt(last.get('us', math.nan))} us{'  ' + last['error'].strip()[-100:] if 'error' in last else ''}",
+                  flush=True)
+        meta["elapsed_s"] = time.monotonic() - began
+        write(args.out, rows, meta, log)
+    meta["elapsed_s"] = time.monotonic() - began
+    write(args.out, rows, meta, log)
+    print()
+    print(markdown(rows, meta))
+    print()
+    print(table_source(rows))
+
+
+if __name__ == "__main__":
+    main()
