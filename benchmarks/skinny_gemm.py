@@ -43,7 +43,7 @@ import triton  # noqa: E402
 
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 from kernels import linear_tuning  # noqa: E402
-from kernels.linear_triton import LinearWorkspace, linear  # noqa: E402
+from kernels.linear_triton import LinearWorkspace, block_m_for, linear  # noqa: E402
 from kernels.linear_tuning import LinearConfig  # noqa: E402
 
 DEVICE = "cuda" if CUDA else "cpu"
@@ -75,23 +75,42 @@ def _cfg(block_n: int, block_k: int, split_k: int, warps: int, stages: int, swap
                         swap_ab=swap)
 
 
-# Most promising first: the budget cuts the tail. Programs for o/down (N 4096) = 4096 / block_n * split_k.
-CANDIDATES = [
-    _cfg(64, 256, 2, 4, 4), _cfg(32, 256, 2, 4, 4), _cfg(64, 256, 4, 4, 4), _cfg(128, 256, 4, 8, 3),
-    _cfg(64, 256, 2, 4, 4, True), _cfg(64, 512, 2, 8, 3), _cfg(32, 512, 2, 4, 3), _cfg(64, 128, 4, 4, 6),
-    _cfg(128, 256, 2, 4, 3, True), _cfg(64, 256, 1, 4, 4), _cfg(128, 256, 1, 8, 4), _cfg(64, 256, 8, 4, 4),
-    _cfg(32, 256, 4, 4, 5), _cfg(128, 128, 4, 4, 5), _cfg(32, 256, 1, 4, 5), _cfg(128, 256, 4, 4, 4, True),
-    _cfg(64, 512, 4, 4, 3, True), _cfg(16, 512, 2, 4, 4), _cfg(64, 128, 2, 4, 6), _cfg(128, 128, 2, 8, 4),
-    _cfg(128, 256, 8, 8, 3), _cfg(32, 512, 4, 4, 3), _cfg(16, 256, 4, 4, 6), _cfg(64, 256, 1, 4, 4, True),
-]
-SMOKE_CANDIDATES = [_cfg(16, 32, 1, 4, 1), _cfg(32, 64, 2, 4, 1), _cfg(16, 32, 3, 4, 1, True)]
+# Per tile height (BLOCK_M, from M), most promising first: the budget cuts the tail. Each list holds the
+# default configs of its batches and fits the H200's shared memory (checked with --compile-only).
+CANDIDATES = {
+    16: [_cfg(*c) for c in [
+        (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3),
+        (64, 512, 2, 8, 3), (32, 512, 2, 4, 3), (64, 256, 1, 4, 4), (128, 256, 2, 4, 3, True), (64, 128, 4, 4, 6),
+        (32, 256, 4, 4, 5), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4, True), (16, 512, 2, 4, 4), (128, 256, 1, 8, 3),
+        (32, 256, 1, 4, 5), (128, 128, 2, 8, 4), (16, 256, 4, 4, 6), (64, 256, 1, 4, 4, True), (32, 512, 4, 4, 3),
+    ]],
+    32: [_cfg(*c) for c in [
+        (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3),
+        (64, 512, 2, 8, 3), (32, 512, 2, 4, 3), (64, 256, 1, 4, 4), (128, 128, 2, 4, 4, True), (64, 128, 4, 4, 6),
+        (32, 256, 4, 4, 5), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4, True), (16, 512, 2, 4, 4), (128, 256, 1, 8, 3),
+        (32, 256, 1, 4, 5), (128, 128, 2, 8, 4), (16, 256, 4, 4, 6),
+    ]],
+    64: [_cfg(*c) for c in [
+        (64, 256, 2, 4, 3), (32, 256, 2, 4, 4), (64, 256, 4, 4, 3), (64, 128, 4, 4, 6), (128, 128, 2, 8, 4),
+        (64, 256, 2, 4, 3, True), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 128, 2, 4, 6), (64, 256, 1, 4, 3),
+        (128, 128, 1, 8, 4), (32, 256, 1, 4, 4), (64, 128, 8, 4, 6), (16, 256, 4, 4, 5), (128, 128, 2, 4, 4, True),
+        (64, 256, 8, 4, 3),
+    ]],
+    128: [_cfg(*c) for c in [
+        (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 4, 4, 5), (128, 128, 2, 8, 3), (64, 128, 1, 4, 4),
+        (128, 128, 1, 8, 3), (32, 128, 2, 4, 5), (16, 256, 4, 4, 3), (64, 128, 8, 4, 4), (128, 64, 2, 8, 4),
+    ]],
+}
+SMOKE_CANDIDATES = {bm: [_cfg(16, 32, 1, 4, 1), _cfg(32, 64, 2, 4, 1), _cfg(16, 32, 3, 4, 1, True)] for bm in CANDIDATES}
 
 
 def fits_smem(cfg: LinearConfig, m: int, shape: Shape) -> bool:
-    """Whether the pipelined x and W tiles can fit (num_stages - 1 buffers of each, 2-byte elements)."""
-    block_m = max(16, triton.next_power_of_2(m))
+    """Whether the pipelined x and W tiles fit: num_stages buffers of each on the wgmma path (swapped, or 64+
+    rows), num_stages - 1 on the mma path (as Triton 3.9 compiles them for sm_90)."""
+    bm = block_m_for(m)
     block_k = min(cfg.block_k, triton.next_power_of_2(shape.k))
-    return (cfg.num_stages - 1) * block_k * (cfg.block_n + block_m) * 2 <= SMEM_BYTES
+    buffers = cfg.num_stages if cfg.swap_ab or bm >= 64 else cfg.num_stages - 1
+    return buffers * block_k * (cfg.block_n + bm) * DTYPE.itemsize <= SMEM_BYTES
 
 
 def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -193,11 +212,11 @@ class Case:
         log.append(entry)
 
 
-def candidates_for(case: Case, pool: list[LinearConfig]) -> list[LinearConfig]:
+def candidates_for(case: Case, pool: dict[int, list[LinearConfig]]) -> list[LinearConfig]:
     """The shape's default config first, then the pool, without repeats or configs past shared memory."""
     default = linear_tuning.default_config(case.m, case.shape.n, case.shape.k)
     out = []
-    for cfg in [default, *pool]:
+    for cfg in [default, *pool[block_m_for(case.m)]]:
         if cfg not in out and (not CUDA or fits_smem(cfg, case.m, case.shape)):
             out.append(cfg)
     return out
@@ -298,7 +317,7 @@ def main() -> None:
         w_bytes = shape.n * shape.k * DTYPE.itemsize
         copies = max(2, -(-WEIGHT_SET_BYTES // w_bytes)) if CUDA else 2
         weights = [rand(shape.n, shape.k, scale=shape.k ** -0.5) for _ in range(copies)]
-        max_split = max(linear_tuning.MAX_SPLIT_K, *(c.split_k for c in pool))
+        max_split = max(linear_tuning.MAX_SPLIT_K, *(c.split_k for cs in pool.values() for c in cs))
         workspace = LinearWorkspace.create(max(batches), shape.n, max_split, DEVICE)
         cases += [Case(shape, m, weights, workspace, bandwidth) for m in batches]
     log: list = []

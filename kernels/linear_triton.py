@@ -29,15 +29,19 @@ MIN_BLOCK = 16  # tl.dot's smallest dimension
 def _tile_offsets(offs_m, offs_n, stride_m, SWAP_AB: tl.constexpr):
     """Offsets of an [M, N] row-major tile, laid out as the accumulator is: [N, M] when swapped."""
     if SWAP_AB:
-        return offs_n[:, None] + offs_m[None, :].to(tl.int64) * stride_m
-    return offs_m[:, None].to(tl.int64) * stride_m + offs_n[None, :]
+        offs = offs_n[:, None] + offs_m[None, :].to(tl.int64) * stride_m
+    else:
+        offs = offs_m[:, None].to(tl.int64) * stride_m + offs_n[None, :]
+    return offs
 
 
 @triton.jit
 def _tile_mask(offs_m, offs_n, M, N, SWAP_AB: tl.constexpr):
     if SWAP_AB:
-        return (offs_n[:, None] < N) & (offs_m[None, :] < M)
-    return (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        mask = (offs_n[:, None] < N) & (offs_m[None, :] < M)
+    else:
+        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    return mask
 
 
 @triton.jit
@@ -134,12 +138,13 @@ class LinearWorkspace:
         return m <= self.max_m and n <= self.max_n and split_k <= self.max_split_k
 
 
-def _block_m(m: int) -> int:
+def block_m_for(m: int) -> int:
+    """Rows per tile: M padded to a power of two, at least tl.dot's 16, at most MAX_BLOCK_M."""
     return min(MAX_BLOCK_M, max(MIN_BLOCK, triton.next_power_of_2(m)))
 
 
 def _num_tiles(m: int, n: int, block_n: int) -> int:
-    return triton.cdiv(m, _block_m(m)) * triton.cdiv(n, block_n)
+    return triton.cdiv(m, block_m_for(m)) * triton.cdiv(n, block_n)
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -174,7 +179,7 @@ def linear(
     if k == 0:
         return out.zero_()
     cfg = config or linear_tuning.choose_config(m, n, k)
-    block_m = _block_m(m)
+    block_m = block_m_for(m)
     block_k = max(MIN_BLOCK, min(cfg.block_k, triton.next_power_of_2(k)))
     block_n = max(MIN_BLOCK, cfg.block_n)
     k_per_split = triton.cdiv(triton.cdiv(k, block_k), cfg.split_k) * block_k

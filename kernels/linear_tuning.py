@@ -54,7 +54,7 @@ def default_config(m: int, n: int, k: int) -> LinearConfig:
            and k >= 2 * split_k * 4 * block_k):
         split_k *= 2
     return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=4,
-                        num_stages=4 if m <= 32 else 3)
+                        num_stages=3 if 32 < m <= 64 else 4)
 
 
 def choose_config(m: int, n: int, k: int) -> LinearConfig:
