@@ -22,11 +22,15 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -34,15 +38,18 @@ import torch
 import torch.nn.functional as F
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+COMPILE_ONLY = "--compile-only" in sys.argv  # decided before Triton is imported: compiled, not interpreted
+if not CUDA and not COMPILE_ONLY:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
 
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
-from kernels import linear_tuning  # noqa: E402
+from kernels import linear_triton, linear_tuning  # noqa: E402
 from kernels.linear_triton import LinearWorkspace, block_m_for, linear  # noqa: E402
 from kernels.linear_tuning import LinearConfig  # noqa: E402
 
@@ -222,6 +229,64 @@ def candidates_for(case: Case, pool: dict[int, list[LinearConfig]]) -> list[Line
     return out
 
 
+# ---------------------------------------------------------------- compile only (no GPU needed)
+
+H200 = GPUTarget("cuda", 90, 32)
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def compile_sm90(job: tuple[int, int, LinearConfig]) -> dict:
+    """Compile the kernel for sm_90 as a launch with these M, K and config would (16-divisible pointers,
+    N, K and strides), and report its shared memory, registers and spill stack."""
+    m, k, cfg = job
+    kernel = linear_triton._linear_kernel
+    split = cfg.split_k > 1
+    types = ["*bf16", "*bf16", "*bf16", "*fp32" if split else "*bf16", "*i32" if split else "*bf16"] + ["i32"] * 8
+    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    constants = dict(BLOCK_M=block_m_for(m), BLOCK_N=cfg.block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
+                     EVEN_K=k % block_k == 0, SWAP_AB=cfg.swap_ab, DOT_F32=False)
+    names = kernel.arg_names
+    signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names[:13]) if name != "M"}
+    row = {"block_m": constants["BLOCK_M"], "even_k": constants["EVEN_K"], "config": asdict(cfg)}
+    try:
+        compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200,
+                                  options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    except Exception as exc:  # noqa: BLE001 - reported, and the run fails
+        return row | {"error": str(exc).strip().splitlines()[-1][:200]}
+    row |= {"shared": compiled.metadata.shared, "wgmma": "wgmma" in compiled.asm["ptx"]}
+    if CUOBJDUMP.exists():
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+            cubin.write(compiled.asm["cubin"])
+            cubin.flush()
+            usage = subprocess.run([str(CUOBJDUMP), "-res-usage", cubin.name], capture_output=True, text=True).stdout
+        found = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        if found:
+            row |= {"registers": int(found[1]), "stack": int(found[2])}
+    return row
+
+
+def compile_only(shapes: tuple[Shape, ...], batches: tuple[int, ...], pool: dict[int, list[LinearConfig]]) -> bool:
+    """Compile every candidate (and default) config for sm_90 in parallel; True when all compile and fit."""
+    jobs = {}
+    for shape in shapes:
+        for m in batches:
+            for cfg in [linear_tuning.default_config(m, shape.n, shape.k), *pool[block_m_for(m)]]:
+                block_k = max(16, min(cfg.block_k, triton.next_power_of_2(shape.k)))
+                jobs.setdefault((block_m_for(m), shape.k % block_k == 0, cfg), (m, shape.k, cfg))
+    ok = True
+    with ProcessPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool_:
+        for row in pool_.map(compile_sm90, jobs.values()):
+            bad = "error" in row or row["shared"] > SMEM_BYTES
+            ok &= not bad
+            detail = row.get("error") or (f"smem {row['shared'] >> 10} KiB, {'wgmma' if row['wgmma'] else 'mma'}, "
+                                          f"regs {row.get('registers', '?')}, stack {row.get('stack', '?')}")
+            print(f"{'FAIL' if bad else 'ok  '} block_m {row['block_m']:3d} even_k {row['even_k']:d} "
+                  f"{cfg_text(row['config'])}: {detail}", flush=True)
+    print(f"{len(jobs)} kernels compiled for sm_90: {'all fit' if ok else 'some FAILED'}")
+    return ok
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -301,11 +366,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--budget-s", type=float, default=150.0, help="start no new candidate past this")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes and configs (a CPU runs them interpreted)")
+    parser.add_argument("--compile-only", action="store_true",
+                        help="only compile every candidate for sm_90 and report shared memory and registers; no GPU needed")
     args = parser.parse_args()
     began = time.monotonic()
     torch.manual_seed(0)
     shapes, batches, pool = (SMOKE_SHAPES, SMOKE_BATCHES, SMOKE_CANDIDATES) if args.smoke else \
         (LLAMA3_8B, BATCHES, CANDIDATES)
+    if args.compile_only:
+        sys.exit(0 if compile_only(shapes, batches, pool) else 1)
     bandwidth = measure_bandwidth(DEVICE)
     meta = {"device": torch.cuda.get_device_name() if CUDA else "cpu (Triton interpreter)",
             "bandwidth_gbs": bandwidth / 1e9, "torch": torch.__version__, "triton": triton.__version__,
