@@ -38,8 +38,10 @@ import torch
 import torch.nn.functional as F
 
 CUDA = torch.cuda.is_available()
-COMPILE_ONLY = "--compile-only" in sys.argv  # decided before Triton is imported: compiled, not interpreted
-if not CUDA and not COMPILE_ONLY:
+# Decided before Triton is imported: --compile-only needs the kernel compiled, never interpreted.
+if "--compile-only" in sys.argv:
+    os.environ.pop("TRITON_INTERPRET", None)
+elif not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
