@@ -154,9 +154,8 @@ def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
         raise ValueError(f"x and w must share one of float32/float16/bfloat16, got {x.dtype} and {w.dtype}")
     if x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError("x and w must have unit stride along K (any row stride)")
-    if out is not None:
-        if out.shape != (x.shape[0], w.shape[0]) or out.dtype != x.dtype or out.stride(1) != 1:
-            raise ValueError(f"out must be [{x.shape[0]}, {w.shape[0]}] {x.dtype} with unit column stride")
+    if out is not None and (out.shape != (x.shape[0], w.shape[0]) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"out must be [{x.shape[0]}, {w.shape[0]}] {x.dtype} with unit column stride")
 
 
 def linear(

@@ -9,7 +9,7 @@ means "use cuBLAS here". M buckets: the smallest key >= M (decode batches up to 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 
 M_BUCKETS = (1, 16, 32, 64, 128)
 # Enough programs to keep every SM streaming (132 SMs on an H200, two programs each).
@@ -36,14 +36,14 @@ def m_bucket(m: int) -> int | None:
     return next((b for b in M_BUCKETS if b >= m), None)
 
 
-@lru_cache(maxsize=None)
+@cache
 def tuned_config(m: int, n: int, k: int) -> LinearConfig | None:
     """The H200 winner for this shape class, or None where cuBLAS was faster or the class was not timed."""
     bucket = m_bucket(m)
     return None if bucket is None else _TUNED.get((bucket, n, k))
 
 
-@lru_cache(maxsize=None)
+@cache
 def default_config(m: int, n: int, k: int) -> LinearConfig:
     """A config for shapes without a tuned one: 64-column blocks, K split until ~TARGET_PROGRAMS programs
     stream W, each split keeping at least four K blocks; shallower K blocks past 64 rows (shared memory)."""
