@@ -9,11 +9,13 @@ bytes over the bandwidth of a 2 GiB device-to-device copy measured in the same r
 
 Candidates run round-robin (every shape and batch gets the first candidate before any gets the
 second) and no new one starts past `--budget-s`, so a short budget still covers every row.
-Results go to DIR/skinny_gemm.json and DIR/skinny_gemm.md after every round; the winners that
-beat cuBLAS are printed last as the `_TUNED` literal of `kernels/linear_tuning.py`.
+Results go to DIR/skinny_gemm.json and DIR/skinny_gemm.md after every round, with a per-layer
+sum (cuBLAS alone against Triton where it wins); the winners that beat cuBLAS are printed last
+as the `_TUNED` literal of `kernels/linear_tuning.py`.
 
     python benchmarks/skinny_gemm.py --out DIR [--budget-s 150]
     python benchmarks/skinny_gemm.py --smoke --out DIR   # tiny shapes; without CUDA, under the Triton interpreter
+    python benchmarks/skinny_gemm.py --compile-only      # every candidate compiled for sm_90; no GPU needed
 """
 
 from __future__ import annotations
@@ -320,6 +322,13 @@ def markdown(rows: list[Row], meta: dict) -> str:
             f"| {fmt(r.triton_us)} | {fmt(r.pct(r.triton_us), 0)} | {fmt(r.speedup, 2)} | {cfg_text(r.config)} "
             f"| {r.tried} ({r.failed}) |"
         )
+    out += ["", "Per decoder layer (the four linears; Triton where it wins by the table's margin):", "",
+            "| M | cuBLAS µs | with Triton µs | saved µs | saved per 32-layer step µs |", "|---|---|---|---|---|"]
+    for m in sorted({r.m for r in rows}):
+        layer = [r for r in rows if r.m == m]
+        cublas = sum(r.cublas_us for r in layer)
+        mixed = sum(r.triton_us if r.speedup >= MIN_SPEEDUP else r.cublas_us for r in layer)
+        out.append(f"| {m} | {fmt(cublas)} | {fmt(mixed)} | {fmt(cublas - mixed)} | {fmt(32 * (cublas - mixed))} |")
     errors = [r for r in rows if r.error]
     if errors:
         out += ["", "Last error per row:"] + [f"- {r.shape} M={r.m}: {r.error}" for r in errors]
