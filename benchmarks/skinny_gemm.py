@@ -88,7 +88,8 @@ def _cfg(block_n: int, block_k: int, split_k: int, warps: int, stages: int, swap
 
 
 # Per tile height (BLOCK_M, from M), most promising first: the budget cuts the tail. Each list holds the
-# default configs of its batches and fits the H200's shared memory (checked with --compile-only).
+# default configs of its batches and fits the H200's shared memory (checked with --compile-only); the
+# last ones of the 64 and 128 lists take under half of it, so two programs share an SM.
 CANDIDATES = {
     16: [_cfg(*c) for c in [
         (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3),
@@ -106,11 +107,12 @@ CANDIDATES = {
         (64, 256, 2, 4, 3), (32, 256, 2, 4, 4), (64, 256, 4, 4, 3), (64, 128, 4, 4, 6), (128, 128, 2, 8, 4),
         (64, 256, 2, 4, 3, True), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 128, 2, 4, 6), (64, 256, 1, 4, 3),
         (128, 128, 1, 8, 4), (32, 256, 1, 4, 4), (64, 128, 8, 4, 6), (16, 256, 4, 4, 5), (128, 128, 2, 4, 4, True),
-        (64, 256, 8, 4, 3),
+        (64, 256, 8, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3), (32, 128, 4, 4, 4),
     ]],
     128: [_cfg(*c) for c in [
         (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 4, 4, 5), (128, 128, 2, 8, 3), (64, 128, 1, 4, 4),
         (128, 128, 1, 8, 3), (32, 128, 2, 4, 5), (16, 256, 4, 4, 3), (64, 128, 8, 4, 4), (128, 64, 2, 8, 4),
+        (64, 64, 2, 4, 4),
     ]],
 }
 SMOKE_CANDIDATES = {bm: [_cfg(16, 32, 1, 4, 1), _cfg(32, 64, 2, 4, 1), _cfg(16, 32, 3, 4, 1, True)] for bm in CANDIDATES}
