@@ -1,7 +1,7 @@
 """Skinny GEMM `y = x @ w^T` for small M (decode batches): streams W at close to HBM bandwidth.
 
-One program per (N block, K split, M block). With M at most a few dozen rows, the time is W's
-bytes, so the kernel keeps many bytes of W in flight (deep K blocks, several pipeline stages)
+One program per (N block, K split, M block). With M small (decode, up to ~128 rows) the time is
+W's bytes, so the kernel keeps many bytes of W in flight (deep K blocks, several pipeline stages)
 and splits K until there are enough programs to fill every SM. Splits reduce inside the same
 launch: each writes float32 partials to a workspace, then bumps a per-tile counter; the program
 that arrives last sums the partials, writes y and puts the counter back to zero, so the next
@@ -118,9 +118,9 @@ _INTERPRETED = not isinstance(_linear_kernel, triton.runtime.JITFunction)
 
 @dataclass(frozen=True)
 class LinearWorkspace:
-    """Split-K scratch for calls up to `max_m` x `max_n` with up to `max_split_k` splits: float32 partials and
-    one int32 arrival counter per output tile. Made zeroed, once, outside any CUDA-graph capture; the kernel
-    leaves the counters at zero after every call."""
+    """Split-K scratch for calls up to `max_m` x `max_n` with up to `max_split_k` splits: float32 partials (always
+    written before they are read) and one int32 arrival counter per output tile, made zeroed. Make it once,
+    outside any CUDA-graph capture; the kernel leaves the counters at zero after every call."""
 
     partials: torch.Tensor
     counters: torch.Tensor
