@@ -82,9 +82,10 @@ SMOKE_SHAPES = (Shape("qkv", 96, 48), Shape("o", 64, 64), Shape("gate_up", 64, 1
 SMOKE_BATCHES = (1, 5, 33)
 
 
-def _cfg(block_n: int, block_k: int, split_k: int, warps: int, stages: int, swap: bool = False) -> LinearConfig:
+def _cfg(block_n: int, block_k: int, split_k: int, warps: int, stages: int, swap: bool = False,
+         tma: bool = False) -> LinearConfig:
     return LinearConfig(block_n=block_n, block_k=block_k, split_k=split_k, num_warps=warps, num_stages=stages,
-                        swap_ab=swap)
+                        swap_ab=swap, tma=tma)
 
 
 # Per tile height (BLOCK_M, from M), most promising first: the budget cuts the tail. Each list holds the
@@ -92,30 +93,34 @@ def _cfg(block_n: int, block_k: int, split_k: int, warps: int, stages: int, swap
 # last ones of the 64 and 128 lists take under half of it, so two programs share an SM.
 CANDIDATES = {
     16: [_cfg(*c) for c in [
-        (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3),
-        (64, 512, 2, 8, 3), (32, 512, 2, 4, 3), (64, 256, 1, 4, 4), (128, 256, 2, 4, 3, True), (64, 128, 4, 4, 6),
-        (32, 256, 4, 4, 5), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4, True), (16, 512, 2, 4, 4), (128, 256, 1, 8, 3),
-        (32, 256, 1, 4, 5), (128, 128, 2, 8, 4), (16, 256, 4, 4, 6), (64, 256, 1, 4, 4, True), (32, 512, 4, 4, 3),
+        (64, 256, 2, 4, 4), (64, 256, 2, 4, 4, False, True), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (32, 256, 4, 4, 4, False, True),
+        (64, 256, 4, 4, 4, False, True), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3), (128, 128, 4, 4, 4, True, True),
+        (64, 512, 2, 8, 3), (32, 512, 2, 4, 3), (64, 256, 1, 4, 4), (64, 256, 1, 4, 4, False, True), (128, 256, 2, 4, 3, True),
+        (64, 128, 4, 4, 6), (32, 256, 4, 4, 5), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4, True), (16, 512, 2, 4, 4),
+        (128, 256, 1, 8, 3), (32, 256, 1, 4, 5), (128, 128, 2, 8, 4),
     ]],
     32: [_cfg(*c) for c in [
-        (64, 256, 2, 4, 4), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3),
-        (64, 512, 2, 8, 3), (32, 512, 2, 4, 3), (64, 256, 1, 4, 4), (128, 128, 2, 4, 4, True), (64, 128, 4, 4, 6),
-        (32, 256, 4, 4, 5), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4, True), (16, 512, 2, 4, 4), (128, 256, 1, 8, 3),
-        (32, 256, 1, 4, 5), (128, 128, 2, 8, 4), (16, 256, 4, 4, 6),
+        (64, 256, 2, 4, 4), (64, 256, 2, 4, 4, False, True), (32, 256, 2, 4, 4), (64, 256, 4, 4, 4), (32, 256, 4, 4, 4, False, True),
+        (64, 256, 4, 4, 4, False, True), (64, 256, 2, 4, 4, True), (128, 256, 4, 8, 3), (64, 512, 2, 8, 3), (32, 512, 2, 4, 3),
+        (64, 256, 1, 4, 4), (64, 256, 1, 4, 4, False, True), (128, 128, 2, 4, 4, True), (64, 128, 4, 4, 6), (32, 256, 4, 4, 5),
+        (64, 256, 8, 4, 4), (128, 128, 4, 4, 4, True), (16, 512, 2, 4, 4), (128, 256, 1, 8, 3), (32, 256, 1, 4, 5),
+        (128, 128, 2, 8, 4),
     ]],
     64: [_cfg(*c) for c in [
-        (64, 256, 2, 4, 3), (32, 256, 2, 4, 4), (64, 256, 4, 4, 3), (64, 128, 4, 4, 6), (128, 128, 2, 8, 4),
+        (64, 256, 2, 4, 3), (64, 256, 2, 4, 3, False, True), (32, 256, 2, 4, 4), (64, 256, 4, 4, 3), (64, 256, 4, 4, 3, False, True),
+        (64, 128, 4, 4, 4, False, True), (64, 128, 4, 4, 6), (128, 128, 2, 8, 4), (128, 128, 2, 8, 4, False, True),
         (64, 256, 2, 4, 3, True), (32, 256, 4, 4, 4), (128, 128, 4, 4, 4), (64, 128, 2, 4, 6), (64, 256, 1, 4, 3),
-        (128, 128, 1, 8, 4), (32, 256, 1, 4, 4), (64, 128, 8, 4, 6), (16, 256, 4, 4, 5), (128, 128, 2, 4, 4, True),
-        (64, 256, 8, 4, 3), (64, 128, 2, 4, 3), (64, 128, 4, 4, 3), (32, 128, 4, 4, 4),
+        (64, 256, 1, 4, 3, False, True), (128, 128, 1, 8, 4), (128, 128, 2, 4, 4, True), (64, 256, 8, 4, 3), (64, 128, 2, 4, 3),
+        (64, 128, 2, 4, 3, False, True), (64, 128, 4, 4, 3), (32, 128, 4, 4, 4),
     ]],
     128: [_cfg(*c) for c in [
-        (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (32, 128, 4, 4, 5), (128, 128, 2, 8, 3), (64, 128, 1, 4, 4),
-        (128, 128, 1, 8, 3), (32, 128, 2, 4, 5), (16, 256, 4, 4, 3), (64, 128, 8, 4, 4), (128, 64, 2, 8, 4),
-        (64, 64, 2, 4, 4),
+        (64, 128, 2, 4, 4), (64, 128, 2, 4, 4, False, True), (64, 128, 4, 4, 4), (64, 128, 4, 4, 4, False, True), (32, 128, 4, 4, 5),
+        (128, 128, 2, 8, 3), (64, 128, 1, 4, 4), (64, 128, 1, 4, 4, False, True), (128, 128, 1, 8, 3), (32, 128, 2, 4, 5),
+        (16, 256, 4, 4, 3), (64, 128, 8, 4, 4), (128, 64, 2, 8, 4), (64, 64, 2, 4, 4), (64, 64, 2, 4, 4, False, True),
     ]],
 }
-SMOKE_CANDIDATES = {bm: [_cfg(16, 32, 1, 4, 1), _cfg(32, 64, 2, 4, 1), _cfg(16, 32, 3, 4, 1, True)] for bm in CANDIDATES}
+SMOKE_CANDIDATES = {bm: [_cfg(16, 32, 1, 4, 1), _cfg(32, 64, 2, 4, 1), _cfg(16, 32, 3, 4, 1, True),
+                         _cfg(16, 32, 2, 4, 2, tma=True), _cfg(32, 32, 3, 4, 2, True, True)] for bm in CANDIDATES}
 
 
 def fits_smem(cfg: LinearConfig, m: int, shape: Shape) -> bool:
@@ -245,16 +250,24 @@ def compile_sm90(job: tuple[int, int, LinearConfig]) -> dict:
     """Compile the kernel for sm_90 as a launch with these M, K and config would (16-divisible pointers,
     N, K and strides), and report its shared memory, registers and spill stack."""
     m, k, cfg = job
-    kernel = linear_triton._linear_kernel
     split = cfg.split_k > 1
-    types = ["*bf16", "*bf16", "*bf16", "*fp32" if split else "*bf16", "*i32" if split else "*bf16"] + ["i32"] * 8
-    block_k = max(16, min(cfg.block_k, triton.next_power_of_2(k)))
-    constants = {"BLOCK_M": block_m_for(m), "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SPLIT_K": cfg.split_k,
-                 "EVEN_K": k % block_k == 0, "SWAP_AB": cfg.swap_ab, "DOT_F32": False}
+    outputs = ["*bf16", "*fp32" if split else "*bf16", "*i32" if split else "*bf16"]
+    block_m, block_k = block_m_for(m), max(16, min(cfg.block_k, triton.next_power_of_2(k)))
+    constants = {"BLOCK_M": block_m, "BLOCK_N": cfg.block_n, "BLOCK_K": block_k, "SPLIT_K": cfg.split_k,
+                 "SWAP_AB": cfg.swap_ab, "DOT_F32": False}
+    if cfg.tma:
+        kernel = linear_triton._linear_tma_kernel
+        types = [f"tensordesc<bf16[{block_m},{block_k}]>", f"tensordesc<bf16[{cfg.block_n},{block_k}]>", *outputs]
+        types += ["i32"] * 6
+    else:
+        kernel = linear_triton._linear_kernel
+        types = ["*bf16", "*bf16", *outputs] + ["i32"] * 8
+        constants["EVEN_K"] = k % block_k == 0
     names = kernel.arg_names
     signature = dict(zip(names, types)) | {name: "constexpr" for name in constants}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(names[:13]) if name != "M"}
-    row = {"block_m": constants["BLOCK_M"], "even_k": constants["EVEN_K"], "config": asdict(cfg)}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, (name, ty) in enumerate(zip(names, types))
+             if name != "M" and not ty.startswith("tensordesc")}
+    row = {"block_m": block_m, "even_k": k % block_k == 0, "config": asdict(cfg)}
     try:
         compiled = triton.compile(ASTSource(kernel, signature, constants, attrs), target=H200,
                                   options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
@@ -305,7 +318,7 @@ def cfg_text(cfg: dict | None) -> str:
     if cfg is None:
         return "-"
     text = f"n{cfg['block_n']} k{cfg['block_k']} s{cfg['split_k']} w{cfg['num_warps']} st{cfg['num_stages']}"
-    return text + (" swap" if cfg["swap_ab"] else "")
+    return text + (" swap" if cfg["swap_ab"] else "") + (" tma" if cfg["tma"] else "")
 
 
 def markdown(rows: list[Row], meta: dict) -> str:

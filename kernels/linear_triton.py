@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from kernels import linear_tuning
 from kernels.linear_tuning import LinearConfig
@@ -45,6 +46,44 @@ def _tile_mask(offs_m, offs_n, M, N, SWAP_AB: tl.constexpr):
 
 
 @triton.jit
+def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
+    """acc + a @ b; DOT_F32 computes in true float32 (float32 inputs must not round through tf32, and the
+    interpreter's bfloat16 dot is unreliable)."""
+    if DOT_F32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc)
+    return acc
+
+
+@triton.jit
+def _finish_tile(acc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, split_size, pid_n, ks, pid_m,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SWAP_AB: tl.constexpr):
+    """Store the tile's y, or with split K its partial, and let the last split to arrive sum them all and reset
+    the tile's counter."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_offs = _tile_offsets(offs_m, offs_n, stride_ym, SWAP_AB)
+    y_mask = _tile_mask(offs_m, offs_n, M, N, SWAP_AB)
+    if SPLIT_K == 1:
+        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    else:
+        part_offs = _tile_offsets(offs_m, offs_n, N, SWAP_AB)
+        tl.store(part_ptr + ks.to(tl.int64) * split_size + part_offs, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is written before the counter's release
+        tile = pid_m * tl.num_programs(0) + pid_n
+        arrived = tl.atomic_add(count_ptr + tile, 1)
+        if arrived == SPLIT_K - 1:
+            tl.debug_barrier()
+            for s in tl.static_range(SPLIT_K):
+                if s != ks:
+                    acc += tl.load(part_ptr + tl.full((), s, tl.int64) * split_size + part_offs, mask=y_mask, other=0.0,
+                                   cache_modifier=".cg")
+            tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.store(count_ptr + tile, 0)
+
+
+@triton.jit(do_not_specialize=["M"])  # one compile for any batch size in a tile height
 def _linear_kernel(
     x_ptr, w_ptr, y_ptr, part_ptr, count_ptr,
     M, N, K, stride_xm, stride_wn, stride_ym, k_per_split, split_size,
@@ -83,33 +122,42 @@ def _linear_kernel(
                 xv = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
                 wv = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
         if SWAP_AB:
-            a, b = wv, xv
+            acc = _dot_acc(acc, wv, xv, DOT_F32)
         else:
-            a, b = xv, wv
-        if DOT_F32:  # float32 must not round through tf32; the interpreter's bfloat16 dot is unreliable
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+            acc = _dot_acc(acc, xv, wv, DOT_F32)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_offs = _tile_offsets(offs_m, offs_n, stride_ym, SWAP_AB)
-    y_mask = _tile_mask(offs_m, offs_n, M, N, SWAP_AB)
-    if SPLIT_K == 1:
-        tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
+    _finish_tile(acc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, split_size, pid_n, ks, pid_m,
+                 BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_tma_kernel(
+    x_desc, w_desc, y_ptr, part_ptr, count_ptr,
+    M, N, K, stride_ym, k_per_split, split_size,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    SWAP_AB: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    """As `_linear_kernel`, with x and W tiles copied by TMA (tensor descriptors), which zero-fills past M, N
+    and K: no masks, no address arithmetic per element."""
+    pid_n = tl.program_id(0)
+    ks = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    k_lo = ks * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
-        part_offs = _tile_offsets(offs_m, offs_n, N, SWAP_AB)
-        tl.store(part_ptr + ks.to(tl.int64) * split_size + part_offs, acc, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial is written before the counter's release
-        tile = pid_m * tl.num_programs(0) + pid_n
-        arrived = tl.atomic_add(count_ptr + tile, 1)
-        if arrived == SPLIT_K - 1:
-            tl.debug_barrier()
-            for s in tl.static_range(SPLIT_K):
-                if s != ks:
-                    acc += tl.load(part_ptr + tl.full((), s, tl.int64) * split_size + part_offs, mask=y_mask, other=0.0,
-                                   cache_modifier=".cg")
-            tl.store(y_ptr + y_offs, acc.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.store(count_ptr + tile, 0)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        xv = x_desc.load([pid_m * BLOCK_M, k0])
+        wv = w_desc.load([pid_n * BLOCK_N, k0])
+        if SWAP_AB:
+            acc = _dot_acc(acc, wv, xv.T, DOT_F32)
+        else:
+            acc = _dot_acc(acc, xv, wv.T, DOT_F32)
+    _finish_tile(acc, y_ptr, part_ptr, count_ptr, M, N, stride_ym, split_size, pid_n, ks, pid_m,
+                 BLOCK_M, BLOCK_N, SPLIT_K, SWAP_AB)
 
 
 # Under TRITON_INTERPRET=1 (at import) the kernel is interpreted: dots of bfloat16 then go through float32.
@@ -145,6 +193,11 @@ def block_m_for(m: int) -> int:
 
 def _num_tiles(m: int, n: int, block_n: int) -> int:
     return triton.cdiv(m, block_m_for(m)) * triton.cdiv(n, block_n)
+
+
+def _tma_ready(t: torch.Tensor) -> bool:
+    """TMA copies need a 16-byte aligned base and row stride."""
+    return t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None) -> None:
@@ -192,10 +245,18 @@ def linear(
     else:
         partials, counters = out, out  # not read without splits
     grid = (triton.cdiv(n, block_n), cfg.split_k, triton.cdiv(m, block_m))
-    _linear_kernel[grid](
-        x, w, out, partials, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_per_split, m * n,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k, EVEN_K=k % block_k == 0,
-        SWAP_AB=cfg.swap_ab, DOT_F32=x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=cfg.split_k, SWAP_AB=cfg.swap_ab,
+                DOT_F32=x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.tma and _tma_ready(x) and _tma_ready(w):
+        x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+        w_desc = TensorDescriptor.from_tensor(w, [block_n, block_k])
+        _linear_tma_kernel[grid](
+            x_desc, w_desc, out, partials, counters, m, n, k, out.stride(0), k_per_split, m * n, **meta,
+        )
+    else:
+        _linear_kernel[grid](
+            x, w, out, partials, counters, m, n, k, x.stride(0), w.stride(0), out.stride(0), k_per_split, m * n,
+            EVEN_K=k % block_k == 0, **meta,
+        )
     return out

@@ -25,6 +25,7 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     swap_ab: bool = False  # compute (W @ x^T)^T: W's rows fill the dot's M side, x's rows its N side
+    tma: bool = False  # copy x and W tiles with TMA (where both are 16-byte aligned), not per-thread loads
 
 
 # (M bucket, N, K) -> config; filled from `benchmarks/skinny_gemm.py` on an H200.

@@ -1,7 +1,8 @@
 """The skinny Triton linear against a float64 oracle, on fresh random inputs and poisoned outputs.
 
 N 40 and K 70 are not multiples of the 16-wide blocks, so every program masks columns and
-the last K block is partial; split-K 3 over 5 K blocks leaves uneven splits. On a CPU the
+the last K block is partial; split-K 3 over 5 K blocks leaves uneven splits. TMA copies need
+16-byte rows, so their tests use K 72. On a CPU the
 kernel runs under the Triton interpreter; `test_kernel_compiles_for_sm90` compiles it for an
 H200 (no GPU needed) to catch what only the real compiler rejects.
 """
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels import linear_tuning
+from kernels import linear_triton, linear_tuning
 from kernels.linear_triton import LinearWorkspace, linear
 from kernels.linear_tuning import LinearConfig
 from tests.kernels.lora_cases import triton_runs_in_process
@@ -33,8 +34,8 @@ TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def small(split_k: int = 1, swap_ab: bool = False) -> LinearConfig:
-    return LinearConfig(block_n=16, block_k=16, split_k=split_k, num_warps=4, num_stages=1, swap_ab=swap_ab)
+def small(split_k: int = 1, swap_ab: bool = False, tma: bool = False) -> LinearConfig:
+    return LinearConfig(block_n=16, block_k=16, split_k=split_k, num_warps=4, num_stages=1, swap_ab=swap_ab, tma=tma)
 
 
 def rand(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -71,6 +72,26 @@ def test_matches_float64(m, dtype, split_k):
 def test_swapped_operands_match_float64(m, split_k):
     x, w = rand(m, K), rand(N, K)
     y = linear(x, w, poisoned(m, N, x.dtype), config=small(split_k, swap_ab=True), workspace=workspace())
+    assert rel_err(y, x, w) <= TOLERANCE[torch.bfloat16]
+
+
+@needs_triton
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["plain", "swapped"])
+@pytest.mark.parametrize("split_k", [1, 3], ids=["whole_k", "split_k"])
+@pytest.mark.parametrize("m", [1, 33])
+def test_tma_copies_match_float64(m, split_k, swap_ab):
+    k = 72  # 144-byte rows: TMA-aligned, and still not a multiple of the K block
+    x, w = rand(m, k), rand(N, k)
+    assert linear_triton._tma_ready(x) and linear_triton._tma_ready(w)
+    y = linear(x, w, poisoned(m, N, x.dtype), config=small(split_k, swap_ab, tma=True), workspace=workspace())
+    assert rel_err(y, x, w) <= TOLERANCE[torch.bfloat16]
+
+
+@needs_triton
+def test_tma_falls_back_to_loads_for_unaligned_rows():
+    x, w = rand(5, K), rand(N, K)  # 140-byte rows
+    assert not linear_triton._tma_ready(x)
+    y = linear(x, w, config=small(3, tma=True), workspace=workspace())
     assert rel_err(y, x, w) <= TOLERANCE[torch.bfloat16]
 
 
