@@ -151,6 +151,24 @@ def test_default_config():
     assert rel_err(linear(x, w), x, w) <= TOLERANCE[torch.bfloat16]
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+@pytest.mark.parametrize("tma", [False, True], ids=["loads", "tma"])
+def test_graph_replays_reduce_split_k_every_time(tma):
+    m, k = 5, 72
+    x, w, out, ws = rand(m, k), rand(N, k), poisoned(m, N, torch.bfloat16), workspace()
+    linear(x, w, out, config=small(3, tma=tma), workspace=ws)  # compiled outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        linear(x, w, out, config=small(3, tma=tma), workspace=ws)
+    for _ in range(3):
+        x.copy_(rand(m, k))
+        out.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, x, w) <= TOLERANCE[torch.bfloat16]
+        assert not ws.counters.any()
+
+
 def test_inputs_strided_along_k_are_rejected():
     x = rand(K, 5).T
     with pytest.raises(ValueError, match="unit stride"):
