@@ -1,6 +1,6 @@
 """Decode-step time against its bytes floor on the GPU, for the base model and for 64 adapters, at a few
-batch sizes, with each way of running the LoRA shrinks (on a side stream alongside the base matmul, or
-after it on the main stream). A shorter companion of `serving.py` for comparing decode-path changes.
+batch sizes: the wall time of steps back to back, the GPU time of their parts, and how long the host
+waits for the GPU. A shorter companion of `serving.py` for comparing decode-path changes.
 
     python3 benchmarks/decode_step.py --out DIR
 """
@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -21,8 +20,6 @@ from benchmarks.serving import (  # noqa: E402
 )
 from engine import LoRARequest  # noqa: E402
 
-OVERLAP_ENV = "LORASERVE_LORA_OVERLAP"
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -31,6 +28,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--work", default="/tmp/loraserve-bench")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
+    parser.add_argument("--cases", nargs="+", choices=("base", "lora"), default=["base", "lora"])
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader = "cuda", "threads"
@@ -50,25 +48,23 @@ def main() -> None:
             row["over_floor"] = row["step_wall_ms"] / row["floor_ms"]
             row["case"] = label
             results["rows"].append(row)
-            print(f"{label:28} b{batch:<4} wall {row['step_wall_ms']:.2f} ms  graph {row['graph_replay_ms']:.2f}  "
-                  f"head+greedy {row['lm_head_and_greedy_ms']:.2f}  floor {row['floor_ms']:.2f}  "
+            print(f"{label:12} b{batch:<4} wall {row['step_wall_ms']:.2f} ms  graph {row['graph_replay_ms']:.2f}  "
+                  f"head+greedy {row['lm_head_and_greedy_ms']:.2f}  host waits {row['host_wait_ms']:.2f}  "
+                  f"floor {row['floor_ms']:.2f}  "
                   f"x{row['over_floor']:.3f}  ({time.perf_counter() - t:.0f} s)", flush=True)
             (args.out / "decode_step.json").write_text(json.dumps(results, indent=1))
 
-    engine = build_engine(model_dir, args)
-    measure("base", engine, lambda b: [None] * b)
-    del engine
-    release_gpu_memory()
-    for overlap in ("1", "0"):
-        os.environ[OVERLAP_ENV] = overlap
+    if "base" in args.cases:
+        engine = build_engine(model_dir, args)
+        measure("base", engine, lambda b: [None] * b)
+        del engine
+        release_gpu_memory()
+    if "lora" in args.cases:
         engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         for request in requests:
             engine.lora_manager.add(request)
-        label = "64 adapters, " + ("shrink on a side stream" if overlap == "1" else "shrink after the matmul")
-        measure(label, engine, lambda b: [requests[i % 64] for i in range(b)])
-        del engine
-        release_gpu_memory()
+        measure("64 adapters", engine, lambda b: [requests[i % 64] for i in range(b)])
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from engine.lora_manager import LoRAManager  # noqa: E402
+from engine.sampler import PendingTokens  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
@@ -256,11 +257,12 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         engine.step()
     steps = 40
     torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):  # back to back, as in serving: a step's host work may overlap the previous one's GPU work
-        engine.step()
-    torch.cuda.synchronize()
-    wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    with _timed_token_waits() as waits:
+        t = time.perf_counter()
+        for _ in range(steps):  # back to back, as in serving: a step's host work may overlap the previous one's
+            engine.step()
+        torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - t) / steps
     engine.drain()  # the running sequences' last tokens are real again (async scheduling leaves one in flight)
     if profile_to is not None:
         profile_to.write_text(_eager_step_profile(engine))
@@ -290,7 +292,29 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
 
     graph_ms, step_ms = gpu_ms(graphs.graphs[size].replay), gpu_ms(full_step)
     return dict(batch=batch_size, context=context, step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
-                lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms))
+                lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms),
+                host_wait_ms=1e3 * sum(waits) / steps)
+
+
+@contextlib.contextmanager
+def _timed_token_waits():
+    """Seconds the host spends waiting for sampled tokens, one entry per wait: near zero when the host,
+    not the GPU, sets the pace of the steps."""
+    waits: list[float] = []
+    result = PendingTokens.result
+
+    def timed(self):
+        t = time.perf_counter()
+        if self._event is not None:
+            self._event.synchronize()
+        waits.append(time.perf_counter() - t)
+        return result(self)
+
+    PendingTokens.result = timed
+    try:
+        yield waits
+    finally:
+        PendingTokens.result = result
 
 
 def bytes_floor_ms(engine: LLMEngine, batch_size: int, context: int, distinct_adapters: int, bandwidth: float,

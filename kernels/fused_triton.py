@@ -122,12 +122,12 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
     k1, k2 = _rotate(k_ptr + token * stride_kt + kv_head * stride_kh + dims[None, :], cos, sin, kv_mask, HALF)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     cache_row = slot * stride_cache_slot + kv_head * stride_cache_head + dims[None, :]
-    k_type, v_type = k_cache_ptr.dtype.element_ty, v_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + cache_row, k1.to(k_type), mask=kv_mask)
-    tl.store(k_cache_ptr + cache_row + HALF, k2.to(k_type), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_row, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(k_cache_ptr + cache_row + HALF, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
     v_row = v_ptr + token * stride_vt + kv_head * stride_vh + dims[None, :]
-    tl.store(v_cache_ptr + cache_row, tl.load(v_row, mask=kv_mask).to(v_type), mask=kv_mask)
-    tl.store(v_cache_ptr + cache_row + HALF, tl.load(v_row + HALF, mask=kv_mask).to(v_type), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_row, tl.load(v_row, mask=kv_mask).to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_cache_ptr + cache_row + HALF, tl.load(v_row + HALF, mask=kv_mask).to(v_cache_ptr.dtype.element_ty),
+             mask=kv_mask)
 
 
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -46,9 +46,10 @@ DEFAULT_CONFIG = CONFIGS["m128_n64_w8_s3"]
 
 
 # Fresh prompts (no earlier context) of at least this many tokens are left to torch's SDPA: its
-# FlashAttention kernel is faster on long causal prompts (H200, one 8192-token prompt: 1.03 ms a layer
-# against this kernel's 1.67 ms; 16 prompts of 512: 275 us against 197). Only the 8192 point is measured.
-SDPA_MIN_FRESH_TOKENS = 4096
+# FlashAttention kernel is faster on long causal prompts. H200, one fresh prompt, per layer, SDPA against
+# this kernel: 1024 tokens 35 against 34 us, 2048: 93 against 114, 4096: 293 against 414, 8192: 1037
+# against 1673 (benchmarks/prefill_attention.py).
+SDPA_MIN_FRESH_TOKENS = 2048
 
 
 def leaves_to_sdpa(query_len: int, context_len: int) -> bool:
