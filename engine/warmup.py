@@ -1,7 +1,7 @@
 """Eager steps of dummy sequences at engine start, so Triton compiles there and not in the first requests.
 
 CUDA-graph capture compiles the decode kernels, but prefill and mixed steps run eagerly, and their
-kernels compile on first use: the LoRA kernels per tile class (fewer than 128 tokens go per token,
+kernels compile on first use: the LoRA kernels per tile class (up to 128 tokens go per token,
 fewer than 512 in 16-row tiles, more in 64-row tiles), the prefill attention, and the decode
 attention of a mixed step's decode rows. Each takes a second or more on an H200, which the first
 requests of a fresh server would wait for. The dummy sequences keep their keys and values in the
