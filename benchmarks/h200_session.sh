@@ -14,7 +14,7 @@ began=$SECONDS
 timeout 180 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine/test_cuda.py tests/kernels tests/engine/test_sampler.py \
     tests/engine/test_batching.py 2>&1 | tail -5 | tee "$OUT/session.log"
 timeout 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_fused.py tests/kernels/test_paged_attention.py \
-    tests/kernels/test_prefill_attention.py -k "not model_with_the_triton" 2>&1 | tail -3 | tee -a "$OUT/session.log"
+    tests/kernels/test_prefill_attention.py tests/kernels/test_greedy.py -k "not model_with_the_triton" 2>&1 | tail -3 | tee -a "$OUT/session.log"
 timeout 90 python3 benchmarks/decode_attention.py --out "$OUT" >> "$OUT/session.log" 2>&1
 timeout 90 python3 benchmarks/prefill_attention.py --out "$OUT" >> "$OUT/session.log" 2>&1
 left=$(( 540 - (SECONDS - began) ))
