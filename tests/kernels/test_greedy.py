@@ -68,3 +68,44 @@ def test_triton_matches_torch_at_llama3_vocabulary_on_the_gpu():
     want_ids, want_logprobs = greedy_module.greedy_torch(logits, 128256)
     assert torch.equal(token_ids, want_ids)
     torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_logits_with_a_strided_last_dim_give_the_dense_result(greedy):
+    dense = _logits(4, 9000, torch.bfloat16, seed=11)
+    strided = dense.t().contiguous().t()  # the same values, column-major
+    assert strided.stride(1) != 1
+    want_ids, want_logprobs = greedy(dense, 9000)
+    token_ids, logprobs = greedy(strided, 9000)
+    assert torch.equal(token_ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-6, atol=1e-6)
+
+
+class _CountingKernel:
+    """Stands in for a Triton kernel and records each launch's grid before running it."""
+
+    def __init__(self, kernel, launches: list[tuple]):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(grid)
+        return self.kernel[grid]
+
+
+@pytest.mark.skipif(not triton_runs_in_process(), reason="Triton was imported before its interpreter could be enabled")
+@pytest.mark.parametrize("backend,want_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
+def test_the_backend_switch_picks_the_triton_kernel_or_torch(backend, want_triton, monkeypatch):
+    from kernels import greedy_triton
+
+    monkeypatch.setenv(greedy_module.BACKEND_ENV, backend)
+    launches: list[tuple] = []
+    monkeypatch.setattr(greedy_triton, "_greedy_kernel", _CountingKernel(greedy_triton._greedy_kernel, launches))
+    logits = _logits(3, 500, torch.float32, seed=2)
+    token_ids, _ = greedy_module.greedy(logits, 500)
+    assert token_ids.tolist() == logits.argmax(dim=-1).tolist()
+    assert bool(launches) is want_triton
+
+
+def test_the_backend_switch_rejects_unknown_names(monkeypatch):
+    monkeypatch.setenv(greedy_module.BACKEND_ENV, "cuda")
+    with pytest.raises(ValueError, match=greedy_module.BACKEND_ENV):
+        greedy_module.greedy(_logits(1, 10, torch.float32, seed=0), 10)
