@@ -449,7 +449,7 @@ class LLMEngine:
         return slots
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
-        """A batch asking for nothing but greedy tokens skips the sampler's per-row work (same result)."""
+        """A batch asking for nothing but greedy tokens skips the sampler's per-row work (same tokens)."""
         if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
             return self.sampler.greedy(logits)
         return self.sampler(logits, [self._sampling_row(seq) for seq in seqs])

@@ -128,7 +128,9 @@ class Sampler:
 
     @torch.no_grad()
     def greedy(self, logits: torch.Tensor) -> list[SampledToken]:
-        """What __call__ returns when every row is_plain_greedy, without looking at the rows."""
+        """What __call__ returns when every row is_plain_greedy, without looking at the rows: the same
+        tokens; on CUDA the log-probabilities may differ from __call__'s in the last float32 bits (the
+        Triton kernel's online log-sum-exp)."""
         token_ids, logprobs = self._greedy(logits)
         return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 

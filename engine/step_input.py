@@ -30,9 +30,10 @@ class AttentionMetadata:
 
 @dataclass
 class LoRAStep:
-    """The adapters' part of a step. side_stream, in CUDA-graph decode steps: the stream each LoRA shrink
-    runs on while its base matmul runs on the main one (the shrinks are latency-bound and the skinny
-    decode matmuls leave SMs idle); the expand waits for both."""
+    """The adapters' part of a step. side_stream, only in CUDA-graph decode buckets on the per-token (BGMV)
+    path: the stream each LoRA shrink runs on while its base matmul runs on the main one (the shrinks are
+    latency-bound and the skinny decode matmuls leave SMs idle); the expand waits for both. Eager steps
+    leave it None."""
 
     meta: LoRAMetadata  # the tokens grouped by adapter slot
     side_stream: torch.cuda.Stream | None = None

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 # Batches with at least this many tokens take the segment (SGMV) path; smaller ones go per token (BGMV).
 # The decode graphs' top bucket (128) stays per token: per layer at rank 16 on an H200, 128 tokens over
-# 64 adapters take 94.8 us per token against 111.4 us in segments, over 32 adapters 86.1 against 83.2;
+# 64 adapters take 94.8 us on the per-token path against 111.4 us in segments, over 32 adapters 86.1 against 83.2;
 # from 256 tokens segments win (64 adapters 117 against 145 us, one adapter 66 against 122).
 SGMV_MIN_TOKENS = 129
 # SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
