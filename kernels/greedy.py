@@ -13,6 +13,7 @@ BACKEND_ENV = "LORASERVE_GREEDY_BACKEND"
 
 
 def greedy_torch(logits: torch.Tensor, num_cols: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference (and the CPU path): a float32 copy of the vocabulary columns, then max and logsumexp."""
     raw = logits[:, :num_cols].float()
     values, token_ids = raw.max(dim=-1)
     return token_ids, values - torch.logsumexp(raw, dim=-1)
