@@ -434,8 +434,8 @@ def run_sweep(bench: Bench, sweep_log: list, meta: dict, smoke: bool) -> None:
         classes = {"bgmv": [(8, 8)], "sgmv_small": [(40, 4)], "sgmv": [(40, 4)]}
         winners = sweep(bench, sweep_log, classes, ranks=(16,))
     else:
-        # sgmv_small is scored at the decode graphs' top bucket (128 tokens) as in serving workloads (c), (d)
-        classes = {"bgmv": [(64, 64), (16, 8)], "sgmv_small": [(128, 64), (128, 32), (256, 64)],
+        # BGMV is scored at the decode graphs' top bucket too (128 tokens, serving workloads (c) and (d))
+        classes = {"bgmv": [(128, 64), (64, 64), (16, 8)], "sgmv_small": [(256, 64), (256, 8)],
                    "sgmv": [(8192, 8), (1024, 64)]}
         winners = sweep(bench, sweep_log, classes)
     meta["sweep_winners"] = table_source(winners)

@@ -299,7 +299,8 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
 @contextlib.contextmanager
 def _timed_token_waits():
     """Seconds the host spends waiting for sampled tokens, one entry per wait: near zero when the host,
-    not the GPU, sets the pace of the steps."""
+    not the GPU, sets the pace of the steps. Only async steps wait here (synchronous ones wait in the
+    sampler's .tolist(), which this does not count)."""
     waits: list[float] = []
     result = PendingTokens.result
 

@@ -38,7 +38,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 from .step_input import DeviceTokens
-from .warmup import warm_up_eager_steps
+from .warmup import warm_up_eager_steps, warm_up_greedy
 
 logger = logging.getLogger("loraserve.engine")
 
@@ -137,6 +137,8 @@ class LLMEngine:
         self._in_flight: InFlightStep | None = None
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
+        if self.device.type == "cuda":
+            warm_up_greedy(self.sampler, self.dtype, self.device)
         self.requests: dict[str, Request] = {}
         self._errors: dict[str, BaseException] = {}
         self._pending_detokenization: list[tuple[Sequence, int]] = []

@@ -98,7 +98,7 @@ class Attention(nn.Module):
         self.split = [q_size, kv_size, kv_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionMetadata, lora) -> torch.Tensor:
+                attn: AttentionMetadata, lora: LoRAStep | None) -> torch.Tensor:
         q, k, v = self.qkv_proj(x, lora).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -127,7 +127,7 @@ class MLP(nn.Module):
         self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"])
         self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"])
 
-    def forward(self, x: torch.Tensor, lora) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
         return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x, lora)), lora)
 
 
@@ -139,7 +139,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, residual, positions, kv_cache, attn, lora):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                lora: LoRAStep | None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns this layer's MLP output and the residual stream before it is added."""
         h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, positions, kv_cache, attn, lora)

@@ -131,19 +131,16 @@ class Sampler:
         """What __call__ returns when every row is_plain_greedy, without looking at the rows: the same
         tokens; on CUDA the log-probabilities may differ from __call__'s in the last float32 bits (the
         Triton kernel's online log-sum-exp)."""
-        token_ids, logprobs = self._greedy(logits)
+        token_ids, logprobs = greedy(logits, self.vocab_size)
         return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 
     @torch.no_grad()
     def greedy_pending(self, logits: torch.Tensor) -> PendingTokens:
         """greedy's tokens left on the device, their copy to the host started but not waited for. Read
         each one's result() before asking for the one after next (they share host buffers)."""
-        token_ids, logprobs = self._greedy(logits)
+        token_ids, logprobs = greedy(logits, self.vocab_size)
         host = self._host_buffers.take(token_ids.shape[0]) if token_ids.is_cuda else None
         return PendingTokens(token_ids, logprobs, host)
-
-    def _greedy(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return greedy(logits, self.vocab_size)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:

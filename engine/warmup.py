@@ -3,13 +3,16 @@
 CUDA-graph capture compiles the decode kernels, but prefill and mixed steps run eagerly, and their
 kernels compile on first use: the LoRA kernels per tile class (up to 128 tokens go per token,
 fewer than 512 in 16-row tiles, more in 64-row tiles), the prefill attention, and the decode
-attention of a mixed step's decode rows. Each takes a second or more on an H200, which the first
-requests of a fresh server would wait for. The dummy sequences keep their keys and values in the
+attention of a mixed step's decode rows; and the greedy choice after the LM head. Each takes a second
+or more on an H200, which the first requests of a fresh server would wait for. The dummy sequences keep their keys and values in the
 scratch block (the one CUDA-graph padding rows write to), so no block a sequence owns is touched.
 """
 from __future__ import annotations
 
+import torch
+
 from .model_runner import ModelRunner
+from .sampler import Sampler
 from .scheduler import ScheduledSequence
 from .sequence import Sequence
 
@@ -43,3 +46,8 @@ def warm_up_eager_steps(runner: ModelRunner, *, max_num_batched_tokens: int, max
             left -= fresh
         slots = [lora_slot if lora_slot is not None and i % 2 else -1 for i in range(len(scheduled))]
         runner.execute(scheduled, slots)
+
+
+def warm_up_greedy(sampler: Sampler, dtype: torch.dtype, device: torch.device) -> None:
+    """One greedy choice over a row of logits shaped and typed as the LM head's."""
+    sampler.greedy(torch.zeros(1, sampler.vocab_size, dtype=dtype, device=device))

@@ -22,20 +22,10 @@ if TYPE_CHECKING:
 BACKEND_ENV = "LORASERVE_ATTENTION_BACKEND"
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' keys and values at their flat cache slots (block * block_size + offset)."""
-    if use_triton(BACKEND_ENV, default=k.is_cuda):
-        from kernels.kv_write_triton import write_kv as triton_write_kv
-
-        triton_write_kv(k_cache, v_cache, k, v, slot_mapping)
-    else:
-        write_kv_torch(k_cache, v_cache, k, v, slot_mapping)
-
-
 def write_kv_torch(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """The torch reference of `write_kv`: one `index_copy_` per cache."""
+    """Store the new tokens' keys and values at their flat cache slots (block * block_size + offset), one
+    `index_copy_` per cache: the torch path of `kernels.fused.rotary_and_write_kv`."""
     flat_k = k_cache.view(-1, k_cache.shape[-2], k_cache.shape[-1])
     flat_v = v_cache.view(-1, v_cache.shape[-2], v_cache.shape[-1])
     flat_k.index_copy_(0, slot_mapping, k.to(k_cache.dtype))

@@ -94,7 +94,8 @@ def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on q and k, one launch each (views of the fused q/k/v output are fine: the last dim must be dense)."""
+    """In place on q and k, one launch each (views of the fused q/k/v output are fine: the last dim must be dense).
+    The model uses `rotary_and_write_kv`; this is the baseline `benchmarks/fused_ops.py` times it against."""
     for x in (q, k):
         tokens, heads, dim = x.shape
         _rotary_kernel[(tokens,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), heads,

@@ -1,7 +1,8 @@
 """Greedy token choice with its log-probability: Triton on CUDA, torch elsewhere.
 
 `LORASERVE_GREEDY_BACKEND=triton|torch` forces one (with `TRITON_INTERPRET=1` the Triton kernel
-runs on the CPU). Both take the first maximum on ties, as `torch.argmax` does.
+runs on the CPU). Both take the first maximum on ties, as `torch.argmax` does. They differ only on
+logits no model should produce: on NaN, torch picks the NaN and the Triton kernel skips it.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Triton KV-cache write: one launch stores both the keys and the values of the new tokens.
 
-It replaces two `index_copy_` launches per layer. One program copies one token's K and V rows
-(all KV heads) to its flat cache slot, casting to the cache dtype on the way.
+The model now writes the cache in `kernels.fused.rotary_and_write_kv`; this kernel stays as the
+baseline that `benchmarks/fused_ops.py` and `benchmarks/decode_attention.py` time it against. One
+program copies one token's K and V rows (all KV heads) to its flat cache slot, casting to the cache
+dtype on the way.
 """
 from __future__ import annotations
 

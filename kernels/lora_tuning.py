@@ -40,8 +40,9 @@ class ExpandConfig:
     n_blocks: int = 1  # column blocks per program
 
 
-# Winners of `benchmarks/lora_kernels.py --sweep` on an H200 (torch 2.11, triton 3.6), 2026-11-29; the SGMV
-# classes for fewer than SGMV_LARGE_TOKENS tokens scored at 128 and 256 tokens.
+# Winners of `benchmarks/lora_kernels.py --sweep` on an H200 (torch 2.11, triton 3.6), 2026-11-29: BGMV scored
+# at 16 and 64 tokens, the 16-row SGMV class at 128 and 256 (before 128 tokens moved to BGMV; the script
+# now scores BGMV at 128 and that SGMV class at 256 only), the 64-row class at 1024 and 8192.
 # (path, block_m or 0 for BGMV, rank bucket, several slices) -> config
 _SHRINK: dict[tuple[str, int, int, bool], ShrinkConfig] = {
     ("bgmv", 0, 16, False): ShrinkConfig(block_r=2, block_k=8192, split_k=1, num_warps=8, num_stages=1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.warmup import warm_up_eager_steps
+from engine.warmup import warm_up_eager_steps, warm_up_greedy
 from tests.engine.conftest import make_engine
 
 
@@ -22,3 +22,13 @@ def test_warm_up_writes_only_the_scratch_block(tiny_llama, lora, max_model_len, 
         assert torch.equal(k[:scratch], k0[:scratch]) and torch.equal(v[:scratch], v0[:scratch])
         assert not torch.equal(k[scratch], k0[scratch])
     assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_greedy_warm_up_chooses_over_a_row_shaped_and_typed_as_the_lm_heads(tiny_llama, monkeypatch):
+    engine = make_engine(tiny_llama)
+    seen = []
+    monkeypatch.setattr("engine.sampler.greedy", lambda logits, num_cols: seen.append(
+        (tuple(logits.shape), logits.dtype, num_cols)) or (torch.zeros(1, dtype=torch.long), torch.zeros(1)))
+    warm_up_greedy(engine.sampler, torch.bfloat16, torch.device("cpu"))
+    vocab = engine.sampler.vocab_size
+    assert seen == [((1, vocab), torch.bfloat16, vocab)]

@@ -109,3 +109,23 @@ def test_the_backend_switch_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv(greedy_module.BACKEND_ENV, "cuda")
     with pytest.raises(ValueError, match=greedy_module.BACKEND_ENV):
         greedy_module.greedy(_logits(1, 10, torch.float32, seed=0), 10)
+
+
+def test_rows_starting_with_minus_infinity_keep_finite_logprobs(greedy):
+    logits = _logits(2, 9000, torch.float32, seed=5)
+    logits[0, :8500] = -float("inf")  # more than one block of the Triton kernel
+    logits[1, ::2] = -float("inf")
+    token_ids, logprobs = greedy(logits, 9000)
+    reference = logits.double()
+    assert token_ids.tolist() == reference.argmax(dim=-1).tolist()
+    want = reference.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_more_columns_than_the_logits_hold_are_refused():
+    if not triton_runs_in_process():
+        pytest.skip("Triton was imported before its interpreter could be enabled")
+    from kernels import greedy_triton
+
+    with pytest.raises(ValueError, match="more than"):
+        greedy_triton.greedy(torch.zeros(2, 10, device=DEVICE), 11)

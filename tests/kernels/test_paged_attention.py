@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.attention import decode_attention, write_kv, write_kv_torch
+from kernels.attention import decode_attention, write_kv_torch
 from kernels.attention import paged_attention_decode as torch_decode
 from tests.kernels.lora_cases import relative_error, triton_runs_in_process
 
@@ -121,30 +121,30 @@ def test_triton_kv_write_matches_index_copy_and_leaves_other_slots(dtype):
 
 
 @pytest.mark.parametrize("backend,expect_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
-def test_backend_switch_picks_the_kernels_for_write_and_decode(backend, expect_triton, monkeypatch):
-    from kernels import kv_write_triton, paged_attention_triton
+def test_backend_switch_picks_the_decode_kernel(backend, expect_triton, monkeypatch):
+    from kernels import paged_attention_triton
 
     monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", backend)
     calls = []
-    for module, name in [(kv_write_triton, "write_kv"), (paged_attention_triton, "paged_attention_decode")]:
-        original = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, _f=original, _n=name, **kw: calls.append(_n) or _f(*a, **kw))
+    original = paged_attention_triton.paged_attention_decode
+    monkeypatch.setattr(paged_attention_triton, "paged_attention_decode",
+                        lambda *a, **kw: calls.append("paged_attention_decode") or original(*a, **kw))
     k_cache, v_cache, k, v, slots = _kv_case(BLOCK_SIZE * 4, torch.float32)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     write_kv_torch(want_k, want_v, k, v, slots)
-    write_kv(k_cache, v_cache, k, v, slots)
-    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
     q = torch.randn(2, 6, DIM, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     tables = torch.tensor([[0, 1, 2, 3], [5, 4, 2, 1]], device=DEVICE)
     lens = torch.tensor([64, 50], device=DEVICE)
     caches = want_k.nan_to_num(), want_v.nan_to_num()
     out = decode_attention(q, *caches, tables, lens, 0.3)
     assert relative_error(out, _reference(q, *caches, tables, lens)) < 1e-6
-    assert calls == (["write_kv", "paged_attention_decode"] if expect_triton else [])
+    assert calls == (["paged_attention_decode"] if expect_triton else [])
 
 
 def test_backend_switch_rejects_unknown_names(monkeypatch):
     monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", "cuda")
-    k_cache, v_cache, k, v, slots = _kv_case(4, torch.float32)
+    k_cache, v_cache, *_ = _kv_case(BLOCK_SIZE, torch.float32)
+    q = torch.randn(1, 6, DIM, device=DEVICE)
+    tables = torch.tensor([[0]], device=DEVICE)
     with pytest.raises(ValueError, match="LORASERVE_ATTENTION_BACKEND"):
-        write_kv(k_cache, v_cache, k, v, slots)
+        decode_attention(q, k_cache, v_cache, tables, torch.tensor([4], device=DEVICE), 0.3)
