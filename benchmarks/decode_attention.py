@@ -1,12 +1,11 @@
-"""Paged decode attention and the KV write at Llama-3-8B shapes: single pass vs split context.
+"""Paged decode attention at Llama-3-8B shapes: single pass vs split context.
 
 For each batch × context it checks the Triton decode (one pass, `num_splits=1`, and the default
 split count) against float64 torch on a few rows, times both inside CUDA graphs
 (`triton.testing.do_bench_cudagraph`) and sets them against the bytes floor: K and V of every
 context token read once, at the bandwidth of a 2 GiB device-to-device copy measured in the same
 run. Block tables are random; `--table-tokens` makes them wider than the context (padded with a
-scratch block), as the engine's graphs are. It also times `write_kv`, torch (two `index_copy_`)
-against Triton (one launch). `--splits` also times the given split counts (for tuning the default).
+scratch block), as the engine's graphs are. `--splits` also times the given split counts (for tuning the default).
 Small shapes stay in the 60 MB L2 across graph replays, so their fraction of the floor can pass 1.
 
     python benchmarks/decode_attention.py [--out DIR]
@@ -99,27 +98,6 @@ def _reference_rows(q, k_cache, v_cache, tables, lens, rows) -> torch.Tensor:
     return torch_decode(q[rows].double(), k_cache[blocks].double(), v_cache[blocks].double(), local, lens[rows], SCALE)
 
 
-def write_row(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, tokens: int) -> dict:
-    from kernels.attention import write_kv_torch
-    from kernels.kv_write_triton import write_kv
-
-    device = k_cache.device
-    gen = torch.Generator(device=device).manual_seed(tokens)
-    width = shapes.kv_heads * shapes.head_dim
-    qkv = torch.randn(tokens, shapes.heads * shapes.head_dim + 2 * width, generator=gen, device=device,
-                      dtype=k_cache.dtype)
-    k = qkv[:, -2 * width:-width].view(tokens, shapes.kv_heads, shapes.head_dim)
-    v = qkv[:, -width:].view(tokens, shapes.kv_heads, shapes.head_dim)
-    slots = torch.randperm(k_cache.shape[0] * BLOCK_SIZE, generator=gen, device=device)[:tokens]
-    write_kv(k_cache, v_cache, k, v, slots)
-    flat_k = k_cache.view(-1, shapes.kv_heads, shapes.head_dim)
-    flat_v = v_cache.view(-1, shapes.kv_heads, shapes.head_dim)
-    exact = torch.equal(flat_k[slots], k) and torch.equal(flat_v[slots], v)
-    torch_us = _time_us(lambda: write_kv_torch(k_cache, v_cache, k, v, slots), device)
-    triton_us = _time_us(lambda: write_kv(k_cache, v_cache, k, v, slots), device)
-    return dict(tokens=tokens, torch_us=torch_us, triton_us=triton_us, exact=exact)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64, 128, 256])
@@ -127,7 +105,6 @@ def main() -> None:
     parser.add_argument("--table-tokens", type=int, default=0,
                         help="block-table width in tokens (default: the context)")
     parser.add_argument("--splits", type=int, nargs="*", default=[], help="also time these split counts")
-    parser.add_argument("--write-tokens", type=int, nargs="*", default=[64, 2048])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, fp16; runs on a CPU (Triton interpreter)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -135,14 +112,14 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        args.batches, args.contexts, args.write_tokens = [1, 3], [16, 80], [5]
+        args.batches, args.contexts = [1, 3], [16, 80]
         args.splits = args.splits or [2]
     shapes = Shapes(args.smoke)
     dtype = torch.float16 if args.smoke else torch.bfloat16
     bandwidth = measure_bandwidth(device)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    slots = max(args.batches) * max(args.contexts) + max(args.write_tokens)
+    slots = max(args.batches) * max(args.contexts)
     num_blocks = -(-slots // BLOCK_SIZE) + 1
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, shapes.kv_heads, shapes.head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
@@ -157,16 +134,9 @@ def main() -> None:
             print(f"{batch:>6}{context:>8}{row['default_splits']:>7}{row['single_us']:>11.1f}{row['split_us']:>10.1f}"
                   f"{row['floor_us']:>10.1f}{row['floor_us'] / row['split_us']:>9.2f}"
                   f"{row['single_us'] / row['split_us']:>8.2f}x{row['rel_err']:>9.1e}{others}", flush=True)
-    writes = []
-    print(f"{'write tokens':>12}{'torch us':>10}{'triton us':>11}{'exact':>7}")
-    for tokens in args.write_tokens:
-        row = write_row(shapes, k_cache, v_cache, tokens)
-        writes.append(row)
-        print(f"{tokens:>12}{row['torch_us']:>10.1f}{row['triton_us']:>11.1f}{row['exact']!s:>7}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        result = dict(device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth, decode=decode,
-                      write_kv=writes)
+        result = dict(device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth, decode=decode)
         (args.out / "decode_attention.json").write_text(json.dumps(result, indent=1))
 
 

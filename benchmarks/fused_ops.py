@@ -2,9 +2,8 @@
 
 For each op and token count it checks the Triton result against float64 and times both sides
 (median of `triton.testing.do_bench`, CUDA-graph replay), so the choice of the CUDA default rests
-on a measurement. RMSNorm, SiLU·up and rotary are timed against their torch chains;
-rotary_and_write_kv (one launch) against the three Triton launches it replaces: rotary of q,
-rotary of k, and the KV-cache write. The greedy choice (argmax and its log-probability over the
+on a measurement. RMSNorm, SiLU·up and the rotary embedding fused with the KV-cache write are timed
+against their torch chains. The greedy choice (argmax and its log-probability over the
 128k vocabulary, at decode batch sizes) is timed against the torch chain on float32 logits that
 the engine ran before.
 
@@ -23,13 +22,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import fused_torch, fused_triton, greedy, greedy_triton, kv_write_triton  # noqa: E402
+from kernels import fused_torch, fused_triton, greedy, greedy_triton  # noqa: E402
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, VOCAB = 4096, 14336, 32, 8, 128, 16, 128256
 MAX_GREEDY_ROWS = 256  # one row per decoding sequence
 DTYPE = torch.bfloat16
 TORCH_CHAIN = "torch"
-THREE_LAUNCHES = "rotary(q)+rotary(k)+write_kv"
 FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
 
 
@@ -87,13 +85,6 @@ def _cases(tokens: int) -> dict[str, Case]:
     def check_silu() -> float:
         return _rel(fused_triton.silu_and_mul(gate_up), fused_torch.silu_and_mul(gate_up.double()))
 
-    def check_rotary() -> float:
-        got = qkv.clone()
-        fused_triton.rotary(*qk(got), cos, sin, positions)
-        want_q, want_k = fused_torch.rotary(*qk(qkv.double()), cos.double(), sin.double(), positions)
-        got_q, got_k = qk(got)
-        return max(_rel(got_q, want_q), _rel(got_k, want_k))
-
     def check_rotary_and_write_kv() -> float:
         got, (k_cache, v_cache) = qkv.clone(), caches()
         fused_triton.rotary_and_write_kv(*qkv_views(got), cos, sin, positions, k_cache, v_cache, slots)
@@ -106,10 +97,6 @@ def _cases(tokens: int) -> dict[str, Case]:
     scratch = qkv.clone()
     q, k, v = qkv_views(scratch)
     k_cache, v_cache = caches()
-
-    def three_launches() -> None:
-        fused_triton.rotary(q, k, cos, sin, positions)
-        kv_write_triton.write_kv(k_cache, v_cache, k, v, slots)
 
     logits = torch.randn(min(tokens, MAX_GREEDY_ROWS), VOCAB, device="cuda", dtype=DTYPE, generator=gen) * 4
 
@@ -125,10 +112,8 @@ def _cases(tokens: int) -> dict[str, Case]:
                              lambda: fused_triton.add_rms_norm(x, residual, weight, 1e-5), check_norm),
         "silu_and_mul": Case(TORCH_CHAIN, lambda: fused_torch.silu_and_mul(gate_up),
                              lambda: fused_triton.silu_and_mul(gate_up), check_silu),
-        "rotary": Case(TORCH_CHAIN, lambda: fused_torch.rotary(q, k, cos, sin, positions),
-                       lambda: fused_triton.rotary(q, k, cos, sin, positions), check_rotary),
         "rotary_and_write_kv": Case(
-            THREE_LAUNCHES, three_launches,
+            TORCH_CHAIN, lambda: fused_torch.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots),
             lambda: fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots),
             check_rotary_and_write_kv,
         ),

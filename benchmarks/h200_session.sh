@@ -3,7 +3,7 @@
 # an H200): the GPU-only tests, the decode- and prefill-attention micro-benchmarks, then the serving
 # benchmark within what is left of the budget. Everything lands in $OUT: session.log and the JSON,
 # profiles and (d) timeline the benchmarks write (seven files, within what a device call brings back).
-# The fused-op benchmark (`benchmarks/fused_ops.py`) is left out: those kernels did not change.
+# The fused-op and LoRA-kernel benchmarks (`benchmarks/fused_ops.py`, `benchmarks/lora_kernels.py`) run on their own.
 #
 #     bash benchmarks/h200_session.sh            # through `device`: run(command="bash benchmarks/h200_session.sh")
 set -uo pipefail

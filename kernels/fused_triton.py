@@ -79,32 +79,6 @@ def _rotate(base, cos, sin, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, stride_t, stride_h, stride_table, heads,
-                   HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + token).to(tl.int64)
-    dims = tl.arange(0, HALF_PAD)
-    in_half = dims < HALF
-    cos = tl.load(cos_ptr + pos * stride_table + dims, mask=in_half, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_table + dims, mask=in_half, other=0.0)[None, :]
-    head = tl.arange(0, HEADS_PAD)
-    _rotate(x_ptr + token * stride_t + head[:, None] * stride_h + dims[None, :], cos, sin,
-            (head < heads)[:, None] & in_half[None, :], HALF)
-
-
-def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In place on q and k, one launch each (views of the fused q/k/v output are fine: the last dim must be dense).
-    The model uses `rotary_and_write_kv`; this is the baseline `benchmarks/fused_ops.py` times it against."""
-    for x in (q, k):
-        tokens, heads, dim = x.shape
-        _rotary_kernel[(tokens,)](x, cos, sin, positions, x.stride(0), x.stride(1), cos.stride(0), heads,
-                                  HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
-                                  HEADS_PAD=triton.next_power_of_2(heads), num_warps=4)
-    return q, k
-
-
-@triton.jit
 def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                                 stride_cache_slot, stride_cache_head, heads, kv_heads, HALF: tl.constexpr,

@@ -55,24 +55,6 @@ def test_silu_and_mul(impl, dtype):
     assert _rel(impl.silu_and_mul(gate_up), want) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rotary_on_strided_views_of_the_fused_projection(impl, dtype):
-    gen = torch.Generator().manual_seed(3)
-    tokens, heads, kv_heads, dim = 6, 6, 2, 16
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
-    freqs = torch.outer(torch.arange(32.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(DEVICE), emb.sin().to(DEVICE)
-    positions = torch.tensor([0, 3, 7, 8, 20, 31], device=DEVICE)
-    expected_v = qkv[:, (heads + kv_heads) * dim:].clone()
-    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-    q, k = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim)
-    want_q, want_k = fused_torch.rotary(q.double(), k.double(), cos.double(), sin.double(), positions)
-    got_q, got_k = impl.rotary(q, k, cos, sin, positions)
-    assert _rel(got_q, want_q) <= TOLERANCE[dtype] and _rel(got_k, want_k) <= TOLERANCE[dtype]
-    assert torch.equal(qkv[:, (heads + kv_heads) * dim:], expected_v)  # v is never touched
-
-
 # (heads, kv_heads, head_dim): Llama-3-8B, the tiny test models, and padded head counts and half widths
 HEAD_SHAPES = [pytest.param((32, 8, 128), id="llama3"), pytest.param((4, 2, 16), id="tiny"),
                pytest.param((6, 3, 24), id="padded")]
@@ -183,13 +165,12 @@ class _CountingKernel:
 @pytest.mark.parametrize("backend,want", [("triton", ["_rotary_and_write_kv_kernel"]), ("torch", []),
                                           ("", ["_rotary_and_write_kv_kernel"] if DEVICE == "cuda" else [])])
 def test_the_backend_switch_picks_one_fused_launch_or_the_torch_ops(backend, want, monkeypatch):
-    from kernels import fused, fused_triton, kv_write_triton
+    from kernels import fused, fused_triton
 
     monkeypatch.setenv(fused.BACKEND_ENV, backend)
     launches: list[str] = []
-    for module, name in [(fused_triton, "_rotary_kernel"), (fused_triton, "_rotary_and_write_kv_kernel"),
-                         (kv_write_triton, "_write_kv_kernel")]:
-        monkeypatch.setattr(module, name, _CountingKernel(getattr(module, name), name, launches))
+    name = "_rotary_and_write_kv_kernel"
+    monkeypatch.setattr(fused_triton, name, _CountingKernel(getattr(fused_triton, name), name, launches))
     case, want_case = _rotary_kv_case(3, (4, 2, 16), torch.float32), _rotary_kv_case(3, (4, 2, 16), torch.float32)
     case.run(fused)
     want_case.run(fused_torch)

@@ -107,19 +107,6 @@ def _kv_case(tokens: int, dtype: torch.dtype):
     return k_cache, v_cache, k, v, slots
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_triton_kv_write_matches_index_copy_and_leaves_other_slots(dtype):
-    from kernels.kv_write_triton import write_kv as triton_write_kv
-
-    k_cache, v_cache, k, v, slots = _kv_case(37, dtype)
-    want_k, want_v = k_cache.clone(), v_cache.clone()
-    write_kv_torch(want_k, want_v, k, v, slots)
-    triton_write_kv(k_cache, v_cache, k, v, slots)
-    assert torch.equal(k_cache.isnan(), want_k.isnan()) and torch.equal(v_cache.isnan(), want_v.isnan())
-    assert torch.equal(k_cache.nan_to_num(), want_k.nan_to_num())
-    assert torch.equal(v_cache.nan_to_num(), want_v.nan_to_num())
-
-
 @pytest.mark.parametrize("backend,expect_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
 def test_backend_switch_picks_the_decode_kernel(backend, expect_triton, monkeypatch):
     from kernels import paged_attention_triton
