@@ -42,8 +42,9 @@ def main() -> None:
     def measure(label: str, engine, loras_for) -> None:
         for batch in args.batches:
             t = time.perf_counter()
-            row = decode_step_profile(engine, batch, args.prompt_len, loras_for(batch), vocab)
-            distinct = len({lora.lora_int_id for lora in loras_for(batch) if lora is not None})
+            loras = loras_for(batch)
+            row = decode_step_profile(engine, batch, args.prompt_len, loras, vocab)
+            distinct = len({lora.lora_int_id for lora in loras if lora is not None})
             row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth)
             row["over_floor"] = row["step_wall_ms"] / row["floor_ms"]
             row["case"] = label

@@ -302,20 +302,18 @@ def _timed_token_waits():
     not the GPU, sets the pace of the steps. Only async steps wait here (synchronous ones wait in the
     sampler's .tolist(), which this does not count)."""
     waits: list[float] = []
-    result = PendingTokens.result
+    wait = PendingTokens.wait
 
     def timed(self):
         t = time.perf_counter()
-        if self._event is not None:
-            self._event.synchronize()
+        wait(self)
         waits.append(time.perf_counter() - t)
-        return result(self)
 
-    PendingTokens.result = timed
+    PendingTokens.wait = timed
     try:
         yield waits
     finally:
-        PendingTokens.result = result
+        PendingTokens.wait = wait
 
 
 def bytes_floor_ms(engine: LLMEngine, batch_size: int, context: int, distinct_adapters: int, bandwidth: float,

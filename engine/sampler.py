@@ -55,10 +55,13 @@ class PendingTokens:
             self._event.record()
         self._host = token_ids, logprobs
 
-    def result(self) -> list[SampledToken]:
-        """Waits for the tokens (only for the step that sampled them)."""
+    def wait(self) -> None:
+        """Until the tokens are on the host (only for the step that sampled them)."""
         if self._event is not None:
             self._event.synchronize()
+
+    def result(self) -> list[SampledToken]:
+        self.wait()
         token_ids, logprobs = self._host
         return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
 
