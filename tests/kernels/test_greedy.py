@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import greedy as greedy_module
-from tests.kernels.lora_cases import triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = triton_runs_in_process()
@@ -102,26 +102,13 @@ def test_logits_with_a_strided_last_dim_give_the_dense_result(greedy):
     torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-6, atol=1e-6)
 
 
-class _CountingKernel:
-    """Stands in for a Triton kernel and records each launch by name before running it."""
-
-    def __init__(self, kernel, name: str, launches: list[str]):
-        self.kernel, self.name, self.launches = kernel, name, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(self.name)
-        return self.kernel[grid]
-
-
 @needs_triton
 @pytest.mark.parametrize("backend,want_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
 def test_the_backend_switch_picks_the_triton_kernel_or_torch(backend, want_triton, monkeypatch):
     from kernels import greedy_triton
 
     monkeypatch.setenv(greedy_module.BACKEND_ENV, backend)
-    launches: list[str] = []
-    for name in ("_greedy_kernel", "_greedy_split_kernel"):
-        monkeypatch.setattr(greedy_triton, name, _CountingKernel(getattr(greedy_triton, name), name, launches))
+    launches = record_calls(monkeypatch, greedy_triton, "_greedy_kernel", "_greedy_split_kernel")
     logits = _logits(3, 500, torch.float32, seed=2)
     token_ids, _ = greedy_module.greedy(logits, 500)
     assert token_ids.tolist() == logits.argmax(dim=-1).tolist()
@@ -296,9 +283,7 @@ def test_the_default_split_count_follows_rows_and_multiprocessors(rows, want, mo
     from kernels import greedy_triton
 
     monkeypatch.setattr(greedy_triton, "multiprocessor_count", lambda device: 2)
-    launches: list[str] = []
-    for name in ("_greedy_kernel", "_greedy_split_kernel", "_combine_kernel"):
-        monkeypatch.setattr(greedy_triton, name, _CountingKernel(getattr(greedy_triton, name), name, launches))
+    launches = record_calls(monkeypatch, greedy_triton, "_greedy_kernel", "_greedy_split_kernel", "_combine_kernel")
     logits = _logits(rows, 9000, torch.bfloat16, seed=41)
     _assert_matches_float64(logits, 9000, *greedy_triton.greedy(logits, 9000))
-    assert launches == want
+    assert [launch.name for launch in launches] == want
