@@ -191,9 +191,9 @@ def test_splits_and_blocks_entirely_minus_infinity_leave_finite_logprobs(splits)
 
     split_cols, _ = greedy_triton.split_layout(9000, 4)
     logits = _logits(3, 9000, torch.float32, seed=17)
-    logits[0, :split_cols] = -float("inf")  # the first split (and, unsplit, the first block)
+    logits[0, :split_cols] = -float("inf")  # the first split
     logits[1, split_cols:3 * split_cols] = -float("inf")  # two middle splits
-    logits[2, :-5] = -float("inf")  # all but the last few columns of the last split
+    logits[2, :-5] = -float("inf")  # all but the last few columns (unsplit: two whole blocks)
     token_ids, logprobs = greedy_triton.greedy(logits, 9000, splits=splits)
     assert logprobs.isfinite().all()
     _assert_matches_float64(logits, 9000, token_ids, logprobs)
