@@ -1,9 +1,12 @@
-"""Shared inputs and a float64 per-token oracle for the LoRA kernel tests."""
+"""Shared inputs and a float64 per-token oracle for the LoRA kernel tests, and a recorder of kernel calls
+for the backend-switch tests."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
+import pytest
 import torch
 
 from kernels import prepare_lora_metadata
@@ -88,3 +91,42 @@ def triton_runs_in_process() -> bool:
     except Exception:  # noqa: BLE001 - any failure means "not in this process"
         return False
     return h.item() == 16.0
+
+
+@dataclass
+class Call:
+    """One call seen by `record_calls`: what was called, its arguments, and the grid of a Triton launch."""
+
+    name: str
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    grid: Any = None
+
+
+class _Recorder:
+    """Stands in for a function (records each call) or a Triton kernel (records each `kernel[grid](...)`)."""
+
+    def __init__(self, target: Any, name: str, calls: list[Call]):
+        self.target, self.name, self.calls = target, name, calls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(Call(self.name, args, kwargs))
+        return self.target(*args, **kwargs)
+
+    def __getitem__(self, grid: Any):
+        launch = self.target[grid]
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(Call(self.name, args, kwargs, grid))
+            return launch(*args, **kwargs)
+
+        return run
+
+
+def record_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, *names: str) -> list[Call]:
+    """Wrap `owner.<name>` for each name (module functions or Triton kernels, which still run) and return
+    the list their calls are appended to, in call order."""
+    calls: list[Call] = []
+    for name in names:
+        monkeypatch.setattr(owner, name, _Recorder(getattr(owner, name), name, calls))
+    return calls

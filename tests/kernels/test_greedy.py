@@ -5,14 +5,16 @@ import pytest
 import torch
 
 from kernels import greedy as greedy_module
-from tests.kernels.lora_cases import triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TRITON = triton_runs_in_process()
+needs_triton = pytest.mark.skipif(not TRITON, reason="Triton was imported before its interpreter could be enabled")
 
 
 def _impls():
     impls = [pytest.param(greedy_module.greedy_torch, id="torch")]
-    if triton_runs_in_process():
+    if TRITON:
         from kernels import greedy_triton
 
         impls.append(pytest.param(greedy_triton.greedy, id="triton"))
@@ -60,11 +62,31 @@ def test_no_rows_gives_empty_results(greedy):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_triton_matches_torch_at_llama3_vocabulary_on_the_gpu():
+@pytest.mark.parametrize("rows", [1, 64, 1024])
+def test_triton_matches_torch_at_llama3_vocabulary_on_the_gpu(rows):
     from kernels import greedy_triton
 
-    logits = _logits(64, 128256, torch.bfloat16, seed=7)
+    logits = _logits(rows, 128256, torch.bfloat16, seed=7)
     token_ids, logprobs = greedy_triton.greedy(logits, 128256)
+    want_ids, want_logprobs = greedy_module.greedy_torch(logits, 128256)
+    assert torch.equal(token_ids, want_ids)
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [1, 64])
+def test_a_captured_greedy_replays_on_the_next_logits_on_the_gpu(rows):
+    """The split count and scratch come from static shapes, so a CUDA graph can capture the launches."""
+    from kernels import greedy_triton
+
+    logits = _logits(rows, 128256, torch.bfloat16, seed=31)
+    greedy_triton.greedy(logits, 128256)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        token_ids, logprobs = greedy_triton.greedy(logits, 128256)
+    logits.copy_(_logits(rows, 128256, torch.bfloat16, seed=37))
+    graph.replay()
     want_ids, want_logprobs = greedy_module.greedy_torch(logits, 128256)
     assert torch.equal(token_ids, want_ids)
     torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
@@ -80,25 +102,13 @@ def test_logits_with_a_strided_last_dim_give_the_dense_result(greedy):
     torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-6, atol=1e-6)
 
 
-class _CountingKernel:
-    """Stands in for a Triton kernel and records each launch's grid before running it."""
-
-    def __init__(self, kernel, launches: list[tuple]):
-        self.kernel, self.launches = kernel, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(grid)
-        return self.kernel[grid]
-
-
-@pytest.mark.skipif(not triton_runs_in_process(), reason="Triton was imported before its interpreter could be enabled")
+@needs_triton
 @pytest.mark.parametrize("backend,want_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
 def test_the_backend_switch_picks_the_triton_kernel_or_torch(backend, want_triton, monkeypatch):
     from kernels import greedy_triton
 
     monkeypatch.setenv(greedy_module.BACKEND_ENV, backend)
-    launches: list[tuple] = []
-    monkeypatch.setattr(greedy_triton, "_greedy_kernel", _CountingKernel(greedy_triton._greedy_kernel, launches))
+    launches = record_calls(monkeypatch, greedy_triton, "_greedy_kernel", "_greedy_split_kernel")
     logits = _logits(3, 500, torch.float32, seed=2)
     token_ids, _ = greedy_module.greedy(logits, 500)
     assert token_ids.tolist() == logits.argmax(dim=-1).tolist()
@@ -122,10 +132,158 @@ def test_rows_starting_with_minus_infinity_keep_finite_logprobs(greedy):
     torch.testing.assert_close(logprobs.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@needs_triton
 def test_more_columns_than_the_logits_hold_are_refused():
-    if not triton_runs_in_process():
-        pytest.skip("Triton was imported before its interpreter could be enabled")
     from kernels import greedy_triton
 
     with pytest.raises(ValueError, match="more than"):
         greedy_triton.greedy(torch.zeros(2, 10, device=DEVICE), 11)
+
+
+@needs_triton
+def test_no_columns_are_refused():
+    from kernels import greedy_triton
+
+    with pytest.raises(ValueError, match="at least 1"):
+        greedy_triton.greedy(torch.zeros(2, 10, device=DEVICE), 0)
+
+
+def _assert_matches_float64(logits: torch.Tensor, num_cols: int, token_ids: torch.Tensor,
+                            logprobs: torch.Tensor) -> None:
+    reference = logits[:, :num_cols].double()
+    assert token_ids.tolist() == reference.argmax(dim=-1).tolist()
+    want = reference.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1)
+    torch.testing.assert_close(logprobs.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_cols,splits", [(9000, 2), (9000, 3), (9000, 7), (9000, 64), (128256, 5)])
+def test_split_rows_give_the_first_maximum_and_the_float64_log_softmax(num_cols, splits):
+    from kernels import greedy_triton
+
+    logits = _logits(3, num_cols + 37, torch.bfloat16, seed=splits)
+    logits[:, num_cols:] = 1e4  # past the vocabulary: no split may read it
+    _assert_matches_float64(logits, num_cols, *greedy_triton.greedy(logits, num_cols, splits=splits))
+
+
+@needs_triton
+@pytest.mark.parametrize("offsets,want_offset", [((-1, 0), -1), ((0, 1), 0), ((5, 0), 5)],
+                         ids=["last_of_one_split_and_first_of_the_next", "first_of_two_splits",
+                              "later_within_the_first_split"])
+def test_ties_across_splits_give_the_lowest_index(offsets, want_offset):
+    """Maxima in splits 1 and 2 (offsets from each split's start), or just before split 1."""
+    from kernels import greedy_triton
+
+    split_cols, used = greedy_triton.split_layout(9000, 4)
+    assert used == 4
+    logits = _logits(2, 9000, torch.bfloat16, seed=13)
+    positions = [split_cols + offsets[0], 2 * split_cols + offsets[1]]
+    logits[:, positions] = 50.0
+    token_ids, logprobs = greedy_triton.greedy(logits, 9000, splits=4)
+    assert token_ids.tolist() == [split_cols + want_offset] * 2
+    _assert_matches_float64(logits, 9000, token_ids, logprobs)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 4])
+def test_splits_and_blocks_entirely_minus_infinity_leave_finite_logprobs(splits):
+    from kernels import greedy_triton
+
+    split_cols, _ = greedy_triton.split_layout(9000, 4)
+    logits = _logits(3, 9000, torch.float32, seed=17)
+    logits[0, :split_cols] = -float("inf")  # the first split
+    logits[1, split_cols:3 * split_cols] = -float("inf")  # two middle splits
+    logits[2, :-5] = -float("inf")  # all but the last few columns (unsplit: two whole blocks)
+    token_ids, logprobs = greedy_triton.greedy(logits, 9000, splits=splits)
+    assert logprobs.isfinite().all()
+    _assert_matches_float64(logits, 9000, token_ids, logprobs)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy computes that NaN as log(0)
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_row_entirely_minus_infinity_gives_token_0_and_the_torch_logprob(splits):
+    """torch's log_softmax of such a row is NaN; the kernel agrees, and the other rows stay finite."""
+    from kernels import greedy_triton
+
+    logits = _logits(2, 9000, torch.float32, seed=19)
+    logits[0] = -float("inf")
+    token_ids, logprobs = greedy_triton.greedy(logits, 9000, splits=splits)
+    want_ids, want_logprobs = greedy_module.greedy_torch(logits, 9000)
+    assert token_ids.tolist() == [0, want_ids[1].item()]
+    torch.testing.assert_close(logprobs, want_logprobs, equal_nan=True)
+    assert logprobs[1].isfinite()
+
+
+@needs_triton
+def test_one_row_split_the_most_ways_matches_float64():
+    from kernels import greedy_triton
+
+    logits = _logits(1, 9000, torch.bfloat16, seed=23)
+    _assert_matches_float64(logits, 9000, *greedy_triton.greedy(logits, 9000, splits=greedy_triton.MAX_SPLITS))
+
+
+@needs_triton
+def test_many_rows_split_match_float64():
+    from kernels import greedy_triton
+
+    logits = _logits(70, 700, torch.bfloat16, seed=29)
+    _assert_matches_float64(logits, 700, *greedy_triton.greedy(logits, 700, splits=3))
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [0, -2, 65, 2.0, True])
+def test_invalid_split_counts_are_refused(splits):
+    from kernels import greedy_triton
+
+    with pytest.raises(ValueError, match="splits"):
+        greedy_triton.greedy(_logits(1, 100, torch.float32, seed=0), 100, splits=splits)
+
+
+@needs_triton
+@pytest.mark.parametrize("num_cols,splits", [(9000, 7), (128256, 32), (100, 8), (64, 3), (1, 64)])
+def test_split_layout_covers_the_columns_with_aligned_nonempty_splits(num_cols, splits):
+    from kernels import greedy_triton
+
+    split_cols, used = greedy_triton.split_layout(num_cols, splits)
+    assert split_cols % greedy_triton.SPLIT_ALIGN == 0
+    assert 1 <= used <= splits
+    assert (used - 1) * split_cols < num_cols <= used * split_cols
+
+
+@needs_triton
+def test_default_splits_is_one_without_cuda():
+    from kernels import greedy_triton
+
+    assert greedy_triton.default_splits(1, 128256, multiprocessors=1) == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", [1, 8, 32, 64, 128, 256])
+def test_default_splits_give_each_multiprocessor_its_programs_or_the_narrowest_splits(rows):
+    from kernels import greedy_triton
+
+    splits = greedy_triton.default_splits(rows, 128256, multiprocessors=132)
+    widest = -(-128256 // greedy_triton.SPLIT_MIN_COLS)
+    assert rows * splits >= greedy_triton.PROGRAMS_PER_SM * 132 or splits == widest
+    assert rows * (splits - 1) < greedy_triton.PROGRAMS_PER_SM * 132 and splits <= widest
+
+
+@needs_triton
+def test_default_splits_leave_many_rows_unsplit():
+    from kernels import greedy_triton
+
+    assert greedy_triton.default_splits(greedy_triton.PROGRAMS_PER_SM * 132, 128256, multiprocessors=132) == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("rows,want", [(2, ["_greedy_split_kernel", "_combine_kernel"]), (8, ["_greedy_kernel"])])
+def test_the_default_split_count_follows_rows_and_multiprocessors(rows, want, monkeypatch):
+    """Two multiprocessors want PROGRAMS_PER_SM * 2 = 8 programs: 2 rows are split, 8 are not."""
+    from kernels import greedy_triton
+
+    monkeypatch.setattr(greedy_triton, "multiprocessor_count", lambda device: 2)
+    launches = record_calls(monkeypatch, greedy_triton, "_greedy_kernel", "_greedy_split_kernel", "_combine_kernel")
+    logits = _logits(rows, 9000, torch.bfloat16, seed=41)
+    _assert_matches_float64(logits, 9000, *greedy_triton.greedy(logits, 9000))
+    assert [launch.name for launch in launches] == want

@@ -14,7 +14,7 @@ from kernels.prefill_attention_triton import (
     PrefillPlan,
     paged_attention_prefill,
 )
-from tests.kernels.lora_cases import relative_error, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, relative_error, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
@@ -150,15 +150,12 @@ def test_rejects_a_head_dim_that_is_not_a_power_of_two():
 @pytest.mark.parametrize("backend,expect_triton", [("triton", True), ("torch", False), ("", DEVICE == "cuda")])
 def test_backend_switch_picks_the_prefill_kernel(backend, expect_triton, monkeypatch):
     monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", backend)
-    calls = []
-    original = prefill_attention_triton.paged_attention_prefill
-    monkeypatch.setattr(prefill_attention_triton, "paged_attention_prefill",
-                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    calls = record_calls(monkeypatch, prefill_attention_triton, "paged_attention_prefill")
     query_lens, context_lens = [9, 4], [20, 4]
     q, k_cache, v_cache, tables = _case(7, 4, 2, query_lens, context_lens, torch.float32)
     out = prefill_attention(q, k_cache, v_cache, tables, query_lens, context_lens, SCALE)
     assert relative_error(out, _reference(q, k_cache, v_cache, tables, query_lens, context_lens)) < 1e-6
-    assert calls == ([1] if expect_triton else [])
+    assert len(calls) == (1 if expect_triton else 0)
 
 
 def test_the_plan_gives_no_tiles_to_long_fresh_prompts(monkeypatch):
@@ -174,10 +171,7 @@ def test_long_fresh_prompts_run_through_sdpa_and_the_rest_through_the_kernel(mon
 
     monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", "triton")
     monkeypatch.setattr(prefill_attention_triton, "SDPA_MIN_FRESH_TOKENS", 12)
-    sdpa_lengths = []
-    original = attention.paged_attention_prefill
-    monkeypatch.setattr(attention, "paged_attention_prefill",
-                        lambda *a, **kw: sdpa_lengths.extend(a[4]) or original(*a, **kw))
+    sdpa_calls = record_calls(monkeypatch, attention, "paged_attention_prefill")
     query_lens, context_lens = [20, 5, 7, 12], [20, 5, 30, 12]
     q, k_cache, v_cache, tables = _case(9, 4, 2, query_lens, context_lens, torch.float32)
     slots = torch.tensor([table[p // 16] * 16 + p % 16  # the new tokens' keys and values, as the model has them
@@ -186,7 +180,7 @@ def test_long_fresh_prompts_run_through_sdpa_and_the_rest_through_the_kernel(mon
     k, v = (cache.view(-1, *cache.shape[2:])[slots] for cache in (k_cache, v_cache))
     out = torch.full_like(q, float("nan"))
     prefill_attention(q, k_cache, v_cache, tables, query_lens, context_lens, SCALE, k=k, v=v, out=out)
-    assert sdpa_lengths == [20, 12]
+    assert [length for call in sdpa_calls for length in call.args[4]] == [20, 12]
     assert not out.isnan().any()
     assert relative_error(out, _reference(q, k_cache, v_cache, tables, query_lens, context_lens)) < 1e-6
 
@@ -213,10 +207,7 @@ def test_engine_greedy_tokens_are_the_same_with_either_backend(tiny_llama, monke
 
     prompts = ["Hello there", "The capital of France is Paris. The capital of Italy is Rome. And Spain?", "ab"]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    launches = []  # (prefill rows, plan) of each launch
-    original = prefill_attention_triton.paged_attention_prefill
-    monkeypatch.setattr(prefill_attention_triton, "paged_attention_prefill",
-                        lambda *a, **kw: launches.append((kw["out"].shape[0], a[4])) or original(*a, **kw))
+    launches = record_calls(monkeypatch, prefill_attention_triton, "paged_attention_prefill")
 
     def tokens(backend: str) -> list[list[int]]:
         monkeypatch.setenv("LORASERVE_ATTENTION_BACKEND", backend)
@@ -227,8 +218,8 @@ def test_engine_greedy_tokens_are_the_same_with_either_backend(tiny_llama, monke
 
     triton_tokens = tokens("triton")
     # two layers a step: 5 + 11 fresh, 15 chunked, 6 chunked + 2 fresh
-    assert [rows for rows, _ in launches] == [16, 16, 15, 15, 8, 8]
-    plans = [plan for _, plan in launches]
+    assert [launch.kwargs["out"].shape[0] for launch in launches] == [16, 16, 15, 15, 8, 8]
+    plans = [launch.args[4] for launch in launches]
     assert all(plans[i] is plans[i + 1] is not plans[i + 2] for i in (0, 2)), "one plan per step, from build_step"
     assert triton_tokens == tokens("torch")
     assert len(launches) == 6
