@@ -277,17 +277,17 @@ def run_sweep(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, batc
         best, error = pick(sweeper, cls, current)
         winners[cls.key] = best
         for case in cls.cases:
-            current = decode_config(dtype, case.batch, shapes.kv_heads)
+            table_config = decode_config(dtype, case.batch, shapes.kv_heads)
             width = case.tables.shape[1] * BLOCK_SIZE
             count = default_num_splits(case.batch, shapes.kv_heads, width, sms, best.programs_per_sm)
-            table_us, best_us = sweeper.time_us(case, current), sweeper.time_us(case, best)
+            table_us, best_us = sweeper.time_us(case, table_config), sweeper.time_us(case, best)
             rows.append(dict(cls=list(cls.key), batch=case.batch, context=case.context, splits=count,
                              table_us=table_us, best_us=best_us, floor_us=case.floor_us, rel_err=error,
-                             best=asdict(best), table=asdict(current)))
+                             best=asdict(best), table=asdict(table_config)))
             print(f"{str(cls.key):>16}{case.batch:>6}{case.context:>8}{count:>7}{table_us:>10.1f}{best_us:>9.1f}"
                   f"{case.floor_us:>10.1f}{case.floor_us / table_us:>9.2f}{case.floor_us / best_us:>8.2f}"
                   f"{error:>9.1e}", flush=True)
-    source = "\n".join(f"    {key!r}: {config!r}," for key, config in sorted(winners.items()))
+    source = "\n".join(f'    ("{name}", {bucket}): {config!r},' for (name, bucket), config in sorted(winners.items()))
     print(f"sweep winners ({time.time() - began:.0f} s; lines of _TABLE in kernels/paged_attention_triton.py):\n"
           f"{source}", flush=True)
     return dict(rows=rows, winners=source, seconds=time.time() - began, log=log)
@@ -325,7 +325,7 @@ def main() -> None:
           f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     batches = args.sweep_batches if args.sweep else args.batches
     contexts = args.sweep_contexts if args.sweep else args.contexts
-    num_blocks = max(batches) * -(-max(max(contexts), args.table_tokens) // BLOCK_SIZE) + 1
+    num_blocks = max(batches) * -(-max(contexts) // BLOCK_SIZE) + 1  # and a scratch block to pad tables with
     k_cache = torch.randn(num_blocks, BLOCK_SIZE, shapes.kv_heads, shapes.head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
     result = dict(device=str(device), dtype=str(dtype), bandwidth_bytes_per_s=bandwidth)
