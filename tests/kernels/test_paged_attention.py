@@ -16,14 +16,14 @@ BLOCK_SIZE, DIM = 16, 16
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3}
 
 
-def _case(seed: int, heads: int, kv_heads: int, lengths: list[int], width: int, dtype: torch.dtype):
+def _case(seed: int, heads: int, kv_heads: int, lengths: list[int], width: int, dtype: torch.dtype, dim: int = DIM):
     """Random q and caches; block tables `width` blocks wide, unused entries pointing at a scratch block."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     num_blocks = batch * width + 1
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, DIM, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, DIM, generator=gen).to(DEVICE, dtype)
-    q = torch.randn(batch, heads, DIM, generator=gen).to(DEVICE, dtype)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(batch, heads, dim, generator=gen).to(DEVICE, dtype)
     tables = torch.randperm(num_blocks - 1, generator=gen).view(batch, width)
     for row, length in enumerate(lengths):
         tables[row, -(-length // BLOCK_SIZE):] = num_blocks - 1
@@ -186,6 +186,21 @@ def test_default_split_count_follows_the_split_target():
 
     assert default_num_splits(64, 8, 544, multiprocessors=132, programs_per_sm=4) == 1
     assert default_num_splits(64, 8, 544, multiprocessors=132, programs_per_sm=8) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_every_table_config_matches_float64_at_llama3_8b_heads_on_the_gpu():
+    from kernels.paged_attention_triton import _TABLE
+
+    # a table 2048 tokens wide, as the decode graphs' are; lengths across tiles and splits
+    lengths = [544, 1, 2048, 1000, 17, 1500, 64, 700]
+    for (dtype_class, bucket), config in _TABLE.items():
+        dtype = torch.float32 if dtype_class == "fp32" else torch.bfloat16
+        q, k_cache, v_cache, tables, lens = _case(bucket, 32, 8, lengths, 128, dtype, dim=128)
+        out = _run(q, k_cache, v_cache, tables, lens, num_splits=None, config=config)
+        error = relative_error(out, _reference(q, k_cache, v_cache, tables, lens))
+        assert error <= 1e-2, f"{(dtype_class, bucket)}: {config} is off float64 by {error:.1e}"
 
 
 def _kv_case(tokens: int, dtype: torch.dtype):
