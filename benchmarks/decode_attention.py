@@ -14,7 +14,8 @@ split target (the programs per SM that give 1, 2 or 4 splits) at the first of th
 re-times the best few at every context, checks the winner against float64 and prints it as the
 table's line, with each shape's fraction of the bytes floor against the table's current config.
 Tiles too large for the warps' registers are not tried; candidates that fail to compile or launch (out of
-shared memory) score nothing. About 2 minutes on an H200, most of it compiling.
+shared memory) score nothing. Expected to take about a minute on an H200 (some 70 compiles and 300 graph timings of ~60 ms);
+`--sweep-budget-s` stops the screen early if it runs long.
 
     python benchmarks/decode_attention.py [--out DIR]
     python benchmarks/decode_attention.py --sweep [--sweep-batches 32 64 128] [--sweep-contexts 544 1024 2048]
@@ -52,7 +53,7 @@ SMOKE_SWEEP_TILES = [(16, 2, 1), (32, 4, 2)]
 SWEEP_SPLITS = (1, 2, 4)
 MAX_TILE_ELEMENTS_PER_THREAD = 128  # one K tile spread over the warps; more spills registers
 MAX_PROGRAMS_PER_SM = 16  # split counts past this many programs per multiprocessor are not tried
-SHORTLIST = 4  # the screen's best, re-timed at every context
+SHORTLIST = 6  # the screen's best, re-timed at every context
 SWEEP_REP_MS = 5
 
 
