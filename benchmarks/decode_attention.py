@@ -13,9 +13,9 @@ heads bucket) of the `--sweep-batches`, it times every candidate tile / warps / 
 split target (the programs per SM that give 1, 2 or 4 splits) at the first of the `--sweep-contexts`,
 re-times the best few at every context, checks the winner against float64 and prints it as the
 table's line, with each shape's fraction of the bytes floor against the table's current config.
-Tiles too large for the warps' registers are not tried; candidates that fail to compile or launch (out of
-shared memory) score nothing. Expected to take about a minute on an H200 (some 70 compiles and 300 graph timings of ~60 ms);
-`--sweep-budget-s` stops the screen early if it runs long.
+Tiles too large for the warps' registers are not tried; candidates that fail to compile or launch
+(out of shared memory) score nothing. Expected to take about a minute on an H200 (some 70 compiles,
+300 graph timings of ~60 ms); `--sweep-budget-s` stops the screen early if it runs long.
 
     python benchmarks/decode_attention.py [--out DIR]
     python benchmarks/decode_attention.py --sweep [--sweep-batches 32 64 128] [--sweep-contexts 544 1024 2048]
