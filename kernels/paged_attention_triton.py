@@ -51,8 +51,10 @@ class DecodeConfig:
 
 
 # (dtype class, batch x KV heads bucket) -> config; a shape takes the smallest bucket at or above its
-# batch x KV heads, the largest bucket above them all. Until the sweep fills it: the launch every shape had
-# before the table, 64-token tiles (32 in fp32), 4 warps, Triton's default 3 stages, 4 programs per SM.
+# batch x KV heads, the largest bucket above them all. `benchmarks/decode_attention.py --sweep` prints the
+# lines of its buckets (256, 512, 1024 for batches 32, 64, 128 at 8 KV heads; bf16, head dim 128, group 4).
+# Until they are added, every shape launches as before the table: 64-token tiles (32 in fp32), 4 warps,
+# Triton's default 3 stages, 4 programs per SM.
 _TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("16bit", 128): DecodeConfig(tokens=64, num_warps=4, num_stages=3, programs_per_sm=4),
     ("fp32", 128): DecodeConfig(tokens=32, num_warps=4, num_stages=3, programs_per_sm=4),
