@@ -285,7 +285,7 @@ def run_sweep(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, batc
             rows.append(dict(cls=list(cls.key), batch=case.batch, context=case.context, splits=count,
                              table_us=table_us, best_us=best_us, floor_us=case.floor_us, rel_err=error,
                              best=asdict(best), table=asdict(table_config)))
-            print(f"{str(cls.key):>16}{case.batch:>6}{case.context:>8}{count:>7}{table_us:>10.1f}{best_us:>9.1f}"
+            print(f"{cls.key!s:>16}{case.batch:>6}{case.context:>8}{count:>7}{table_us:>10.1f}{best_us:>9.1f}"
                   f"{case.floor_us:>10.1f}{case.floor_us / table_us:>9.2f}{case.floor_us / best_us:>8.2f}"
                   f"{error:>9.1e}", flush=True)
     source = "\n".join(f'    ("{name}", {bucket}): {config!r},' for (name, bucket), config in sorted(winners.items()))

@@ -17,7 +17,7 @@ heads bucket, both static, so a CUDA graph's launch is fixed when it is captured
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache, lru_cache
+from functools import cache
 
 import torch
 import triton
@@ -66,7 +66,7 @@ def decode_class(dtype: torch.dtype, batch: int, kv_heads: int) -> tuple[str, in
     return ("fp32" if dtype == torch.float32 else "16bit", triton.next_power_of_2(batch * kv_heads))
 
 
-@lru_cache(maxsize=None)
+@cache
 def decode_config(dtype: torch.dtype, batch: int, kv_heads: int) -> DecodeConfig:
     """The table's config for this shape: the smallest bucket of its dtype class at or above batch x KV heads."""
     dtype_class, programs = decode_class(dtype, batch, kv_heads)
