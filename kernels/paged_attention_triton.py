@@ -8,9 +8,15 @@ device, so short sequences in a wide table still use every split and splits past
 once. With one split the program writes the output; otherwise it writes its partial (max, sum,
 unnormalised output) in fp32 and a second launch combines the splits. A row with length 0 is
 left as is.
+
+Launch parameters (tile, warps, stages, split target) come from a small table per shape class,
+chosen offline with `benchmarks/decode_attention.py --sweep` and looked up by shape at call time
+(nothing is searched at run time). The class is the dtype (16-bit or fp32) and the batch x KV
+heads bucket, both static, so a CUDA graph's launch is fixed when it is captured.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import torch
@@ -19,15 +25,54 @@ import triton.language as tl
 
 from kernels.online_softmax_triton import LOG2_E, fold_tile
 
-# Split until about this many programs per multiprocessor. Measured on the H200 (132 of them) with
-# benchmarks/decode_attention.py: batch x KV heads >= 512 programs run fastest unsplit, fewer gain
-# up to 15x at long contexts (batch 1, 8192 tokens: 234 -> 15 us).
+# Split until about this many programs per multiprocessor (each class's DecodeConfig carries its own; this is
+# the default). Measured on the H200 (132 of them) with benchmarks/decode_attention.py: batch x KV heads >= 512
+# programs run fastest unsplit, fewer gain up to 15x at long contexts (batch 1, 8192 tokens: 234 -> 15 us).
 PROGRAMS_PER_SM = 4
 # A table this many tokens wide or narrower is never split: the combine launch would cost more.
 SINGLE_PASS_TOKENS = 256
 # Each split covers at least this many tokens of the table's width.
 SPLIT_MIN_TOKENS = 64
 MAX_SPLITS = 32
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the decode kernel for one shape class."""
+
+    tokens: int  # context tokens per inner step (a power of two >= 16; raised to the KV block size)
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int = PROGRAMS_PER_SM  # split target of `default_num_splits`
+
+    def __post_init__(self) -> None:
+        if self.tokens < 16 or self.tokens & (self.tokens - 1):
+            raise ValueError(f"tokens must be a power of two >= 16 (tl.dot's minimum), got {self.tokens}")
+
+
+# (dtype class, batch x KV heads bucket) -> config; a shape takes the smallest bucket at or above its
+# batch x KV heads, the largest bucket above them all. `benchmarks/decode_attention.py --sweep` prints the
+# lines of its buckets (256, 512, 1024 for batches 32, 64, 128 at 8 KV heads; bf16, head dim 128, group 4).
+# Until they are added, every shape launches as before the table: 64-token tiles (32 in fp32), 4 warps,
+# Triton's default 3 stages, 4 programs per SM.
+_TABLE: dict[tuple[str, int], DecodeConfig] = {
+    ("16bit", 128): DecodeConfig(tokens=64, num_warps=4, num_stages=3, programs_per_sm=4),
+    ("fp32", 128): DecodeConfig(tokens=32, num_warps=4, num_stages=3, programs_per_sm=4),
+}
+
+
+def decode_class(dtype: torch.dtype, batch: int, kv_heads: int) -> tuple[str, int]:
+    """The shape class a launch belongs to: the dtype class and batch x KV heads rounded up to a power of two."""
+    return ("fp32" if dtype == torch.float32 else "16bit", triton.next_power_of_2(batch * kv_heads))
+
+
+@cache
+def decode_config(dtype: torch.dtype, batch: int, kv_heads: int) -> DecodeConfig:
+    """The table's config for this shape: the smallest bucket of its dtype class at or above batch x KV heads."""
+    dtype_class, programs = decode_class(dtype, batch, kv_heads)
+    buckets = [key for cls, key in _TABLE if cls == dtype_class]
+    above = [key for key in buckets if key >= programs]
+    return _TABLE[(dtype_class, min(above) if above else max(buckets))]
 
 
 # Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
@@ -107,32 +152,37 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def default_num_splits(batch: int, kv_heads: int, max_context: int, multiprocessors: int) -> int:
-    """Splits that give every multiprocessor about PROGRAMS_PER_SM programs, from static shapes only."""
+def default_num_splits(batch: int, kv_heads: int, max_context: int, multiprocessors: int,
+                       programs_per_sm: int = PROGRAMS_PER_SM) -> int:
+    """Splits that give every multiprocessor about `programs_per_sm` programs, from static shapes only."""
     if max_context <= SINGLE_PASS_TOKENS:
         return 1
-    wanted = PROGRAMS_PER_SM * multiprocessors // (batch * kv_heads)
+    wanted = programs_per_sm * multiprocessors // (batch * kv_heads)
     return max(1, min(wanted, triton.cdiv(max_context, SPLIT_MIN_TOKENS), MAX_SPLITS))
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           out: torch.Tensor | None = None, num_splits: int | None = None) -> torch.Tensor:
+                           out: torch.Tensor | None = None, num_splits: int | None = None,
+                           config: DecodeConfig | None = None) -> torch.Tensor:
     """q [B, H, D] -> [B, H, D]; caches [blocks, block_size, kv_heads, D]; a row with length 0 is left as is.
 
-    `num_splits` overrides the static split count (tests use it to split tiny contexts).
+    `num_splits` overrides the static split count (tests use it to split tiny contexts); `config`
+    overrides the table's launch parameters (the benchmark's sweep times candidates with it).
     """
     batch, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads
     if out is None:
         out = torch.empty_like(q)
+    if config is None:
+        config = decode_config(q.dtype, batch, kv_heads)
     if num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size,
-                                        multiprocessor_count(q.device))
+                                        multiprocessor_count(q.device), config.programs_per_sm)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    tokens = max(block_size, 64 if q.dtype != torch.float32 else 32)
+    tokens = max(block_size, config.tokens)
     if num_splits == 1:
         m = l = acc = out
     else:
@@ -145,7 +195,7 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TOKENS=tokens, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
-        num_warps=4,
+        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if num_splits > 1:
         _combine_kernel[(batch, heads)](

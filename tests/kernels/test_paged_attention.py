@@ -1,4 +1,5 @@
-"""The Triton paged decode attention and KV write against float64 torch: splits, GQA, ragged lengths."""
+"""The Triton paged decode attention and KV write against float64 torch: splits, GQA, ragged lengths, launch configs;
+and the config table's lookup."""
 from __future__ import annotations
 
 import pytest
@@ -15,14 +16,14 @@ BLOCK_SIZE, DIM = 16, 16
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3}
 
 
-def _case(seed: int, heads: int, kv_heads: int, lengths: list[int], width: int, dtype: torch.dtype):
+def _case(seed: int, heads: int, kv_heads: int, lengths: list[int], width: int, dtype: torch.dtype, dim: int = DIM):
     """Random q and caches; block tables `width` blocks wide, unused entries pointing at a scratch block."""
     gen = torch.Generator().manual_seed(seed)
     batch = len(lengths)
     num_blocks = batch * width + 1
-    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, DIM, generator=gen).to(DEVICE, dtype)
-    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, DIM, generator=gen).to(DEVICE, dtype)
-    q = torch.randn(batch, heads, DIM, generator=gen).to(DEVICE, dtype)
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks, BLOCK_SIZE, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(batch, heads, dim, generator=gen).to(DEVICE, dtype)
     tables = torch.randperm(num_blocks - 1, generator=gen).view(batch, width)
     for row, length in enumerate(lengths):
         tables[row, -(-length // BLOCK_SIZE):] = num_blocks - 1
@@ -34,11 +35,11 @@ def _reference(q, k_cache, v_cache, tables, lens) -> torch.Tensor:
     return torch_decode(q.double(), k_cache.double(), v_cache.double(), tables, lens, 0.3)
 
 
-def _run(q, k_cache, v_cache, tables, lens, num_splits: int | None) -> torch.Tensor:
+def _run(q, k_cache, v_cache, tables, lens, num_splits: int | None, config=None) -> torch.Tensor:
     from kernels.paged_attention_triton import paged_attention_decode
 
     out = torch.full_like(q, float("nan"))
-    paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.3, out=out, num_splits=num_splits)
+    paged_attention_decode(q, k_cache, v_cache, tables, lens, 0.3, out=out, num_splits=num_splits, config=config)
     return out
 
 
@@ -92,6 +93,114 @@ def test_default_split_count_fills_the_multiprocessors(batch, max_context, split
     from kernels.paged_attention_triton import default_num_splits
 
     assert default_num_splits(batch, 8, max_context, multiprocessors=132) == splits
+
+
+@pytest.mark.parametrize("tokens,num_warps,num_stages", [(16, 2, 1), (32, 8, 2), (128, 4, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_with_other_launch_configs_matches_float64(tokens, num_warps, num_stages, dtype):
+    from kernels.paged_attention_triton import DecodeConfig
+
+    # a 320-token table is wider than one pass; on a CPU's one "SM", 48 programs over 4 sequences x 2 KV heads
+    # ask for 6 splits, capped at 5 (one per 64 tokens of the table)
+    config = DecodeConfig(tokens=tokens, num_warps=num_warps, num_stages=num_stages, programs_per_sm=48)
+    q, k_cache, v_cache, tables, lens = _case(tokens + num_warps, 8, 2, [300, 17, 129, 64], 20, dtype)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=None, config=config)
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, lens)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("programs_per_sm,combined", [(1, False), (48, True)])
+def test_a_configs_split_target_decides_whether_the_context_is_split(programs_per_sm, combined, monkeypatch):
+    from kernels import paged_attention_triton
+    from kernels.paged_attention_triton import DecodeConfig
+
+    launches = []
+    combine = paged_attention_triton._combine_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return combine[grid]
+
+    monkeypatch.setattr(paged_attention_triton, "_combine_kernel", Spy())
+    config = DecodeConfig(tokens=32, num_warps=4, num_stages=3, programs_per_sm=programs_per_sm)
+    q, k_cache, v_cache, tables, lens = _case(9, 4, 2, [300, 40], 20, torch.float32)
+    out = _run(q, k_cache, v_cache, tables, lens, num_splits=None, config=config)
+    assert bool(launches) == combined
+    assert relative_error(out, _reference(q, k_cache, v_cache, tables, lens)) < 1e-6
+
+
+@pytest.mark.parametrize("tokens", [8, 48])
+def test_config_rejects_tiles_that_are_not_a_power_of_two_of_at_least_16(tokens):
+    from kernels.paged_attention_triton import DecodeConfig
+
+    with pytest.raises(ValueError, match="power of two"):
+        DecodeConfig(tokens=tokens, num_warps=4, num_stages=3)
+
+
+@pytest.mark.parametrize("dtype,expected", [(torch.bfloat16, "16bit"), (torch.float16, "16bit"),
+                                            (torch.float32, "fp32")])
+def test_shape_class_is_the_dtype_class_and_the_programs_rounded_up_to_a_power_of_two(dtype, expected):
+    from kernels.paged_attention_triton import decode_class
+
+    assert decode_class(dtype, 48, 8) == (expected, 512)
+    assert decode_class(dtype, 64, 8) == (expected, 512)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("batch", [1, 7, 64, 256, 4096])
+def test_every_shape_has_a_config_in_the_table(dtype, batch):
+    from kernels.paged_attention_triton import DecodeConfig, decode_config
+
+    assert isinstance(decode_config(dtype, batch, 8), DecodeConfig)
+
+
+@pytest.fixture
+def small_table(monkeypatch):
+    """A table with two 16-bit buckets and one fp32 bucket, the lookup's cache cleared around the test."""
+    from kernels import paged_attention_triton
+    from kernels.paged_attention_triton import DecodeConfig
+
+    table = {("16bit", 256): DecodeConfig(16, 2, 1), ("16bit", 1024): DecodeConfig(32, 8, 2),
+             ("fp32", 256): DecodeConfig(128, 4, 4)}
+    monkeypatch.setattr(paged_attention_triton, "_TABLE", table)
+    paged_attention_triton.decode_config.cache_clear()
+    yield table
+    paged_attention_triton.decode_config.cache_clear()
+
+
+@pytest.mark.parametrize("dtype,batch,key", [
+    (torch.bfloat16, 1, ("16bit", 256)),  # below the smallest bucket
+    (torch.bfloat16, 32, ("16bit", 256)),  # 256 programs: exactly the bucket
+    (torch.float16, 33, ("16bit", 1024)),  # 264: the next bucket up
+    (torch.bfloat16, 1000, ("16bit", 1024)),  # above every bucket: the largest
+    (torch.float32, 64, ("fp32", 256)),  # fp32 has its own class
+])
+def test_lookup_takes_the_smallest_bucket_at_or_above_the_shape(small_table, dtype, batch, key):
+    from kernels.paged_attention_triton import decode_config
+
+    assert decode_config(dtype, batch, 8) == small_table[key]
+
+
+def test_default_split_count_follows_the_split_target():
+    from kernels.paged_attention_triton import default_num_splits
+
+    assert default_num_splits(64, 8, 544, multiprocessors=132, programs_per_sm=4) == 1
+    assert default_num_splits(64, 8, 544, multiprocessors=132, programs_per_sm=8) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
+def test_every_table_config_matches_float64_at_llama3_8b_heads_on_the_gpu():
+    from kernels.paged_attention_triton import _TABLE
+
+    # a table 2048 tokens wide, as the decode graphs' are; lengths across tiles and splits
+    lengths = [544, 1, 2048, 1000, 17, 1500, 64, 700]
+    for (dtype_class, bucket), config in _TABLE.items():
+        dtype = torch.float32 if dtype_class == "fp32" else torch.bfloat16
+        q, k_cache, v_cache, tables, lens = _case(bucket, 32, 8, lengths, 128, dtype, dim=128)
+        out = _run(q, k_cache, v_cache, tables, lens, num_splits=None, config=config)
+        error = relative_error(out, _reference(q, k_cache, v_cache, tables, lens))
+        assert error <= 1e-2, f"{(dtype_class, bucket)}: {config} is off float64 by {error:.1e}"
 
 
 def _kv_case(tokens: int, dtype: torch.dtype):
