@@ -261,3 +261,30 @@ def test_a_delta_of_other_widths_is_refused():
     gate_up, _ = _silu_inputs(torch.float32)
     with pytest.raises(ValueError, match="widths"):
         fused.silu_and_mul(gate_up, _delta([INTERMEDIATE, INTERMEDIATE + 8], torch.float32, seed=7))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h():
+    """The kernels read slots and h from device tensors: a graph replays with what the next step wrote."""
+    from kernels import fused_triton
+
+    x, residual, weight, lora = _norm_inputs(torch.bfloat16, True)
+    gate_up, gate_up_lora = _silu_inputs(torch.bfloat16)
+    gate_up_lora = LoRADelta(gate_up_lora.h, gate_up_lora.b_slices, lora.meta)  # one metadata per step
+
+    def step():
+        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, lora),
+                fused_triton.silu_and_mul(gate_up, gate_up_lora))
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    next_slots = torch.tensor(list(reversed(SLOTS)), dtype=torch.int32, device=DEVICE)
+    prepare_lora_metadata(next_slots, NUM_SLOTS, out=lora.meta)
+    for d in (lora, gate_up_lora):
+        d.h.copy_(d.h.flip(1))
+    graph.replay()
+    for got, want in zip(captured, step()):
+        _same(got, want)
