@@ -23,9 +23,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -35,8 +35,15 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import LoRADelta, fused_torch, fused_triton, greedy, greedy_triton  # noqa: E402
-from kernels import lora_expand_slices, prepare_lora_metadata  # noqa: E402
+from kernels import (  # noqa: E402
+    LoRADelta,
+    fused_torch,
+    fused_triton,
+    greedy,
+    greedy_triton,
+    lora_expand_slices,
+    prepare_lora_metadata,
+)
 from kernels.fused_triton import LORA_CONFIGS, LoRAOpConfig  # noqa: E402
 
 BLOCK_SIZE = 16

@@ -51,8 +51,8 @@ LORA_CONFIGS: dict[str, LoRAOpConfig] = {
 
 
 def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tensor) -> tuple:
-    """(h, B_0 .. B_{n-1}, adapter slots, rank (a constexpr), B slot strides .., h strides) as the kernels take them;
-    placeholders that no kernel reads without a delta."""
+    """(h, B_0 .. B_{n-1}, adapter slots, rank, B slot strides .., h strides) as the kernels take them;
+    placeholders that no kernel reads without a delta. The rank is a constexpr: one compile per rank."""
     if lora is None:
         return (placeholder,) * (num_slices + 2) + (0,) * (num_slices + 3)
     b_slices = _slot_stacks(lora.b_slices)
@@ -113,7 +113,8 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                         stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_hn, stride_ht,
+                         stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_hn,
+                         stride_ht,
                          HAS_RESIDUAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_R: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -138,7 +139,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lora: LoRADelta | None = None, *,
+                 config: LoRAOpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One program per row; with `lora` the row goes in `config.chunk`-column steps (x stays as it is)."""
     rows, n = x.shape
     out = torch.empty_like(x)
@@ -173,7 +175,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
         mask = cols < n
         gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
-        if HAS_LORA:
+        if HAS_LORA:  # noqa: SIM102 - `adapter` exists only in the HAS_LORA variant
             if adapter >= 0:
                 gate = _plus_delta(gate, b_gate_ptr, cols, mask, h_row, R, BLOCK_R)
                 up = _plus_delta(up, b_up_ptr, cols, mask, h_row + stride_hn, R, BLOCK_R)
@@ -194,7 +196,8 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *,
         block, chunks, num_warps = min(1024, triton.next_power_of_2(n)), 1, 4
     else:
         config = config or LORA_CONFIGS["silu_and_mul"]
-        block, chunks, num_warps = min(config.chunk, triton.next_power_of_2(n)), config.chunks_per_program, config.num_warps
+        block, chunks = min(config.chunk, triton.next_power_of_2(n)), config.chunks_per_program
+        num_warps = config.num_warps
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block * chunks))](
         gate_up, out, gate_up.stride(0), out.stride(0), n, *_lora_args(lora, 2, gate_up),
         HAS_LORA=lora is not None, BLOCK=block, CHUNKS=chunks, BLOCK_R=_block_r(lora, config), num_warps=num_warps,
@@ -219,7 +222,8 @@ def _rotate(base, cos, sin, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.constexpr, HALF: tl.constexpr,
+                            BLOCK_R: tl.constexpr):
     """The halves at `base` and `base + HALF` with the LoRA delta of B rows `cols` and `cols + HALF` added."""
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)

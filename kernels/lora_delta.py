@@ -46,7 +46,8 @@ class LoRADelta:
     def check(self, num_tokens: int, widths: tuple[int, ...]) -> None:
         """Raise unless this delta fits a consumer of `num_tokens` rows laid out in slices of `widths`."""
         if self.meta.num_tokens != num_tokens:
-            raise ValueError(f"LoRA metadata was prepared for {self.meta.num_tokens} tokens, the input has {num_tokens}")
+            raise ValueError(f"LoRA metadata was prepared for {self.meta.num_tokens} tokens, "
+                             f"the input has {num_tokens}")
         if self.widths != widths:
             raise ValueError(f"LoRA slices of widths {self.widths} do not match the op's {widths}")
         if self.h.dtype != torch.float32 or tuple(self.h.shape[:2]) != (len(widths), num_tokens) \
