@@ -71,12 +71,12 @@ SMOKE = Shapes(64, 96, 4, 2, 16, 512)
 # Launch shapes of the LoRA variants that the +lora rows time (the defaults in LORA_CONFIGS are added).
 LORA_VARIANTS: dict[str, list[LoRAOpConfig]] = {
     "add_rms_norm": [LoRAOpConfig(chunk, 16, warps) for chunk, warps in
-                     [(256, 4), (512, 8), (1024, 8), (1024, 16), (2048, 8), (2048, 16)]],
+                     [(512, 8), (1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (4096, 32)]],
     "silu_and_mul": [LoRAOpConfig(chunk, 16, warps, per_program) for chunk, per_program, warps in
-                     [(64, 4, 2), (128, 1, 4), (128, 2, 4), (128, 4, 4), (256, 1, 4), (256, 2, 4), (256, 4, 8),
-                      (512, 1, 8), (512, 2, 8)]],
+                     [(128, 2, 4), (256, 1, 4), (256, 2, 4), (256, 4, 8), (512, 1, 4), (512, 1, 8), (512, 2, 8),
+                      (512, 4, 8), (1024, 1, 8)]],
     "rotary_and_write_kv": [LoRAOpConfig(heads, 16, warps) for heads, warps in
-                            [(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 8)]],
+                            [(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]],
 }
 
 

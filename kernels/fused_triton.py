@@ -44,7 +44,7 @@ class LoRAOpConfig:
 
 # Defaults until a device sweep (`benchmarks/fused_ops.py` times variants of these); op name -> config.
 LORA_CONFIGS: dict[str, LoRAOpConfig] = {
-    "add_rms_norm": LoRAOpConfig(chunk=2048, block_r=16, num_warps=16),
+    "add_rms_norm": LoRAOpConfig(chunk=4096, block_r=16, num_warps=16),
     "silu_and_mul": LoRAOpConfig(chunk=256, block_r=16, num_warps=4, chunks_per_program=2),
     "rotary_and_write_kv": LoRAOpConfig(chunk=2, block_r=16, num_warps=4),
 }
