@@ -1,39 +1,88 @@
 """The fused decoder-layer ops at Llama-3-8B shapes on the GPU: what each replaces against the Triton kernel.
 
-For each op and token count it checks the Triton result against float64 and times both sides
-(median of `triton.testing.do_bench`, CUDA-graph replay), so the choice of the CUDA default rests
-on a measurement. RMSNorm, SiLU·up and the rotary embedding fused with the KV-cache write are timed
-against their torch chains. The greedy choice (argmax and its log-probability over the
-128k vocabulary, at decode batch sizes) is timed against the torch chain on float32 logits that
-the engine ran before.
+For each op and token count it checks the Triton result and times both sides (median of
+`triton.testing.do_bench_cudagraph`, CUDA-graph replay), so the choice of the CUDA default rests on
+a measurement. RMSNorm, SiLU·up and the rotary embedding fused with the KV-cache write are timed
+against their torch chains (checked against float64). The greedy choice (argmax and its
+log-probability over the 128k vocabulary, at decode batch sizes) is timed against the torch chain
+on float32 logits that the engine ran before.
 
-    python benchmarks/fused_ops.py [--out DIR]
+The `+lora` rows time each op with the LoRA expand of the projection it consumes folded in
+(`lora=`), against the expand launch (`lora_expand_slices`, per token up to 128 tokens) followed by
+the plain op, at 64 adapters of rank 16 with every token on a random one; one row per launch shape
+(`LoRAOpConfig`: columns or heads per step, rank block, warps), the kernel's default marked `*`. The
+check is the relative difference from expand-then-op (zero up to summation order).
+
+    python benchmarks/fused_ops.py [--tokens 64 128] [--lora-only] [--out DIR]
+    python benchmarks/fused_ops.py --smoke     # tiny shapes; on a CPU under the Triton interpreter
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+    os.environ.setdefault("LORASERVE_LORA_BACKEND", "triton")  # the expand the +lora rows set against
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels import fused_torch, fused_triton, greedy, greedy_triton  # noqa: E402
+from kernels import (  # noqa: E402
+    LoRADelta,
+    fused_torch,
+    fused_triton,
+    greedy,
+    greedy_triton,
+    lora_expand_slices,
+    prepare_lora_metadata,
+)
+from kernels.fused_triton import LORA_CONFIGS, LoRAOpConfig  # noqa: E402
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE, VOCAB = 4096, 14336, 32, 8, 128, 16, 128256
+BLOCK_SIZE = 16
 MAX_GREEDY_ROWS = 256  # one row per decoding sequence
 DTYPE = torch.bfloat16
 TORCH_CHAIN = "torch"
 FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
+EXPAND_THEN_OP = "expand + op"
+ADAPTERS, RANK = 64, 16
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+
+
+LLAMA3_8B = Shapes(4096, 14336, 32, 8, 128, 128256)
+SMOKE = Shapes(64, 96, 4, 2, 16, 512)
+
+# Launch shapes of the LoRA variants that the +lora rows time (the defaults in LORA_CONFIGS are added).
+LORA_VARIANTS: dict[str, list[LoRAOpConfig]] = {
+    "add_rms_norm": [LoRAOpConfig(chunk, 16, warps) for chunk, warps in
+                     [(512, 8), (1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (4096, 32)]],
+    "silu_and_mul": [LoRAOpConfig(chunk, 16, warps, per_program) for chunk, per_program, warps in
+                     [(128, 2, 4), (256, 1, 4), (256, 2, 4), (256, 4, 8), (512, 1, 4), (512, 1, 8), (512, 2, 8),
+                      (512, 4, 8), (1024, 1, 8)]],
+    "rotary_and_write_kv": [LoRAOpConfig(heads, 16, warps) for heads, warps in
+                            [(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]],
+}
 
 
 @dataclass
 class Case:
-    """One op at one token count: the code it replaces, the Triton kernel, and its float64 check."""
+    """One op at one token count: the code it replaces, the Triton kernel, and its check."""
 
     baseline: str
     run_baseline: Callable[[], object]
@@ -41,41 +90,86 @@ class Case:
     check: Callable[[], float]
 
 
-def _graph_time_us(fn: Callable[[], object]) -> float:
-    import triton.testing
+def _time_us(fn: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        import triton.testing
 
-    return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+        return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
+    fn()
+    begin = time.perf_counter()
+    for _ in range(2):
+        fn()
+    return (time.perf_counter() - begin) / 2 * 1e6
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
-def _cases(tokens: int) -> dict[str, Case]:
-    """op name -> its Case, on fresh random inputs."""
-    gen = torch.Generator(device="cuda").manual_seed(tokens)
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE, generator=gen)
-    residual = torch.randn(tokens, HIDDEN, device="cuda", dtype=DTYPE, generator=gen)
-    weight = torch.rand(HIDDEN, device="cuda", dtype=DTYPE, generator=gen) + 0.5
-    gate_up = torch.randn(tokens, 2 * INTERMEDIATE, device="cuda", dtype=DTYPE, generator=gen) * 3
-    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
-    freqs = torch.outer(torch.arange(8192.0), 1.0 / 500000 ** (torch.arange(0, HEAD_DIM, 2) / HEAD_DIM))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().cuda(), emb.sin().cuda()
-    positions = torch.randint(0, 8192, (tokens,), device="cuda", generator=gen)
-    num_blocks = tokens // BLOCK_SIZE + 2
-    slots = torch.randperm(num_blocks * BLOCK_SIZE, device="cuda", generator=gen)[:tokens]
+@dataclass
+class Inputs:
+    """One token count's random activations, rotary tables, cache slots and caches."""
 
-    def qkv_views(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = buffer.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        return q.view(tokens, HEADS, HEAD_DIM), k.view(tokens, KV_HEADS, HEAD_DIM), v.view(tokens, KV_HEADS, HEAD_DIM)
+    shapes: Shapes
+    tokens: int
+    x: torch.Tensor
+    residual: torch.Tensor
+    weight: torch.Tensor
+    gate_up: torch.Tensor
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    num_blocks: int
 
-    def qk(buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return qkv_views(buffer)[:2]
+    @classmethod
+    def random(cls, shapes: Shapes, tokens: int, device: torch.device) -> Inputs:
+        s = shapes
+        gen = torch.Generator(device=device).manual_seed(tokens)
+        x = torch.randn(tokens, s.hidden, device=device, dtype=DTYPE, generator=gen)
+        residual = torch.randn(tokens, s.hidden, device=device, dtype=DTYPE, generator=gen)
+        weight = torch.rand(s.hidden, device=device, dtype=DTYPE, generator=gen) + 0.5
+        gate_up = torch.randn(tokens, 2 * s.intermediate, device=device, dtype=DTYPE, generator=gen) * 3
+        qkv = torch.randn(tokens, (s.heads + 2 * s.kv_heads) * s.head_dim, device=device, dtype=DTYPE, generator=gen)
+        freqs = torch.outer(torch.arange(8192.0), 1.0 / 500000 ** (torch.arange(0, s.head_dim, 2) / s.head_dim))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        positions = torch.randint(0, 8192, (tokens,), device=device, generator=gen)
+        num_blocks = tokens // BLOCK_SIZE + 2
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=gen)[:tokens]
+        return cls(s, tokens, x, residual, weight, gate_up, qkv, emb.cos().to(device), emb.sin().to(device),
+                   positions, slots, num_blocks)
 
-    def caches() -> tuple[torch.Tensor, torch.Tensor]:
-        return tuple(torch.zeros(num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
-                     for _ in range(2))
+    @property
+    def qkv_widths(self) -> list[int]:
+        s = self.shapes
+        return [s.heads * s.head_dim, s.kv_heads * s.head_dim, s.kv_heads * s.head_dim]
+
+    def qkv_views(self, buffer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        s, t = self.shapes, self.tokens
+        q, k, v = buffer.split(self.qkv_widths, dim=-1)
+        return q.view(t, s.heads, s.head_dim), k.view(t, s.kv_heads, s.head_dim), v.view(t, s.kv_heads, s.head_dim)
+
+    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.shapes
+        return tuple(torch.zeros(self.num_blocks, BLOCK_SIZE, s.kv_heads, s.head_dim, device=self.x.device,
+                                 dtype=DTYPE) for _ in range(2))
+
+    def lora(self, widths: list[int], seed: int) -> LoRADelta:
+        """Every token on a random one of ADAPTERS adapters of rank RANK, h as the shrink leaves it."""
+        device = self.x.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        adapters = torch.randint(0, ADAPTERS, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
+        h = torch.randn(len(widths), self.tokens, RANK, device=device, generator=gen)
+        b_slices = tuple(torch.randn(ADAPTERS, w, RANK, device=device, generator=gen).div(RANK).to(DTYPE)
+                         for w in widths)
+        return LoRADelta(h, b_slices, prepare_lora_metadata(adapters, ADAPTERS))
+
+
+def _cases(inp: Inputs) -> dict[str, Case]:
+    """op name -> its Case against the torch chain, on fresh random inputs."""
+    x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
+    cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
 
     def check_norm() -> float:
         out, _ = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
@@ -86,22 +180,23 @@ def _cases(tokens: int) -> dict[str, Case]:
         return _rel(fused_triton.silu_and_mul(gate_up), fused_torch.silu_and_mul(gate_up.double()))
 
     def check_rotary_and_write_kv() -> float:
-        got, (k_cache, v_cache) = qkv.clone(), caches()
-        fused_triton.rotary_and_write_kv(*qkv_views(got), cos, sin, positions, k_cache, v_cache, slots)
-        want_q, want_k = fused_torch.rotary(*qk(qkv.double()), cos.double(), sin.double(), positions)
-        got_q, got_k, _ = qkv_views(got)
+        got, (k_cache, v_cache) = qkv.clone(), inp.caches()
+        fused_triton.rotary_and_write_kv(*inp.qkv_views(got), cos, sin, positions, k_cache, v_cache, slots)
+        want_q, want_k, _ = inp.qkv_views(qkv.double())
+        want_q, want_k = fused_torch.rotary(want_q, want_k, cos.double(), sin.double(), positions)
+        got_q, got_k, _ = inp.qkv_views(got)
         cached_k, cached_v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
         return max(_rel(got_q, want_q), _rel(got_k, want_k), _rel(cached_k, want_k),
-                   _rel(cached_v, qkv_views(qkv)[2]))
+                   _rel(cached_v, inp.qkv_views(qkv)[2]))
 
-    scratch = qkv.clone()
-    q, k, v = qkv_views(scratch)
-    k_cache, v_cache = caches()
-
-    logits = torch.randn(min(tokens, MAX_GREEDY_ROWS), VOCAB, device="cuda", dtype=DTYPE, generator=gen) * 4
+    q, k, v = inp.qkv_views(qkv.clone())
+    k_cache, v_cache = inp.caches()
+    vocab = inp.shapes.vocab
+    gen = torch.Generator(device=x.device).manual_seed(inp.tokens)
+    logits = torch.randn(min(inp.tokens, MAX_GREEDY_ROWS), vocab, device=x.device, dtype=DTYPE, generator=gen) * 4
 
     def check_greedy() -> float:
-        token_ids, logprobs = greedy_triton.greedy(logits, VOCAB)
+        token_ids, logprobs = greedy_triton.greedy(logits, vocab)
         reference = logits.double()
         if not torch.equal(token_ids, reference.argmax(dim=-1)):
             return float("inf")
@@ -118,27 +213,109 @@ def _cases(tokens: int) -> dict[str, Case]:
             check_rotary_and_write_kv,
         ),
     }
-    if tokens <= MAX_GREEDY_ROWS:
-        cases["greedy"] = Case(FLOAT32_CHAIN, lambda: greedy.greedy_torch(logits.float(), VOCAB),
-                               lambda: greedy_triton.greedy(logits, VOCAB), check_greedy)
+    if inp.tokens <= MAX_GREEDY_ROWS:
+        cases["greedy"] = Case(FLOAT32_CHAIN, lambda: greedy.greedy_torch(logits.float(), vocab),
+                               lambda: greedy_triton.greedy(logits, vocab), check_greedy)
+    return cases
+
+
+def _expand(y: torch.Tensor, lora: LoRADelta) -> torch.Tensor:
+    lora_expand_slices(y, lora.h, lora.b_slices, lora.meta)
+    return y
+
+
+def _variants(op: str) -> list[tuple[str, LoRAOpConfig]]:
+    default = LORA_CONFIGS[op]
+    configs = [default] + [c for c in LORA_VARIANTS[op] if c != default]
+    return [(f"{op}+lora c{c.chunk}x{c.chunks_per_program} r{c.block_r} w{c.num_warps}{'*' if c == default else ''}",
+             c) for c in configs]
+
+
+def _lora_cases(inp: Inputs) -> dict[str, Case]:
+    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op."""
+    x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
+    cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
+    hidden_lora = inp.lora([inp.shapes.hidden], seed=1)
+    gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2)
+    qkv_lora = inp.lora(inp.qkv_widths, seed=3)
+    x_scratch, gate_up_scratch, qkv_scratch = x.clone(), gate_up.clone(), qkv.clone()
+    q, k, v = inp.qkv_views(qkv_scratch)
+    k_cache, v_cache = inp.caches()
+
+    def expand_then_norm():
+        return fused_triton.add_rms_norm(_expand(x_scratch, hidden_lora), residual, weight, 1e-5)
+
+    def expand_then_silu():
+        return fused_triton.silu_and_mul(_expand(gate_up_scratch, gate_up_lora))
+
+    def expand_then_rotary():
+        _expand(qkv_scratch, qkv_lora)
+        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+
+    def check_norm(config: LoRAOpConfig) -> float:
+        got = fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, config=config)
+        want = fused_triton.add_rms_norm(_expand(x.clone(), hidden_lora), residual, weight, 1e-5)
+        return max(_rel(a, b) for a, b in zip(got, want))
+
+    def check_silu(config: LoRAOpConfig) -> float:
+        got = fused_triton.silu_and_mul(gate_up, gate_up_lora, config=config)
+        return _rel(got, fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
+
+    def check_rotary(config: LoRAOpConfig) -> float:
+        results = []
+        for fold in (True, False):
+            buffer, caches = qkv.clone(), inp.caches()
+            if not fold:
+                _expand(buffer, qkv_lora)
+            fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
+                                             qkv_lora if fold else None, config=config)
+            results.append((buffer, *caches))
+        return max(_rel(a, b) for a, b in zip(*results))
+
+    cases = {}
+    for name, config in _variants("add_rms_norm"):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_norm,
+                           lambda c=config: fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, config=c),
+                           lambda c=config: check_norm(c))
+    for name, config in _variants("silu_and_mul"):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_silu,
+                           lambda c=config: fused_triton.silu_and_mul(gate_up, gate_up_lora, config=c),
+                           lambda c=config: check_silu(c))
+    for name, config in _variants("rotary_and_write_kv"):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_rotary,
+                           lambda c=config: fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache,
+                                                                             v_cache, slots, qkv_lora, config=c),
+                           lambda c=config: check_rotary(c))
     return cases
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256, 2048, 8192])
+    parser.add_argument("--lora-only", action="store_true", help="only the +lora rows")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU (Triton interpreter)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = SMOKE if args.smoke else LLAMA3_8B
+    if args.smoke:
+        args.tokens = [3]
     rows = []
-    print(f"{'op':<21}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
+    print(f"{'op':<44}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
     for tokens in args.tokens:
-        for name, case in _cases(tokens).items():
+        inp = Inputs.random(shapes, tokens, device)
+        cases = {} if args.lora_only else _cases(inp)
+        cases.update(_lora_cases(inp))
+        baseline_us: dict[Callable, float] = {}
+        for name, case in cases.items():
             err = case.check()
-            baseline_us = _graph_time_us(case.run_baseline)
-            triton_us = _graph_time_us(case.run_triton)
-            rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=baseline_us,
-                             triton_us=triton_us, rel_err=err))
-            print(f"{name:<21}{tokens:>7}{baseline_us:>13.1f}{triton_us:>11.1f}{baseline_us / triton_us:>8.2f}x"
+            if case.run_baseline not in baseline_us:
+                baseline_us[case.run_baseline] = _time_us(case.run_baseline, device)
+            before = baseline_us[case.run_baseline]
+            triton_us = _time_us(case.run_triton, device)
+            rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=before, triton_us=triton_us,
+                             rel_err=err))
+            print(f"{name:<44}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"
                   f"{err:>10.1e}  {case.baseline}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
