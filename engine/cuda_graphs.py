@@ -91,7 +91,8 @@ class DecodeGraphs:
             # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
             # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV) 10.93 against 10.79
             overlap = lora_tuning.choose_path(size) == "bgmv"
-            lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if overlap else None)
+            lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if overlap else None,
+                            fold_expand=overlap and lora_tuning.fold_expand())
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:

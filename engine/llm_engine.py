@@ -138,7 +138,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         if self.device.type == "cuda":
-            warm_up_greedy(self.sampler, self.dtype, self.device)
+            warm_up_greedy(self.sampler, self.dtype, self.device, self.scheduler.max_num_seqs)
         self.requests: dict[str, Request] = {}
         self._errors: dict[str, BaseException] = {}
         self._pending_detokenization: list[tuple[Sequence, int]] = []

@@ -34,9 +34,11 @@ class LoRALinear(nn.Module):
         self.lora_a: list[torch.Tensor] | None = None
         self.lora_b: list[torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
+        """(y, None) with the adapters' deltas added; or, when the step folds expands into the next op
+        (`lora.fold_expand`), the base product and the delta that op adds."""
         if lora is None or self.lora_a is None:
-            return nn.functional.linear(x, self.weight, self.bias)
+            return nn.functional.linear(x, self.weight, self.bias), None
         if lora.side_stream is None:
             y = nn.functional.linear(x, self.weight, self.bias)
             h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
@@ -47,8 +49,10 @@ class LoRALinear(nn.Module):
                 h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
             y = nn.functional.linear(x, self.weight, self.bias)
             main.wait_stream(lora.side_stream)
+        if lora.fold_expand:
+            return y, kernels.LoRADelta(h, tuple(self.lora_b), lora.meta)
         kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
-        return y
+        return y, None
 
 
 class RMSNorm(nn.Module):
@@ -57,9 +61,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(normed x + residual, x + residual): the residual add is fused into the norm."""
-        return fused.add_rms_norm(x, residual, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                lora: kernels.LoRADelta | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed x + residual, x + residual): the residual add (and a pending LoRA delta of x) is fused
+        into the norm."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps, lora=lora)
 
 
 class RotaryEmbedding(nn.Module):
@@ -98,14 +104,16 @@ class Attention(nn.Module):
         self.split = [q_size, kv_size, kv_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionMetadata, lora: LoRAStep | None) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x, lora).split(self.split, dim=-1)
+                attn: AttentionMetadata, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
+        """o_proj's output and the LoRA delta still to add to it (see `LoRALinear.forward`)."""
+        qkv, qkv_delta = self.qkv_proj(x, lora)
+        q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         fused.rotary_and_write_kv(q, k, v, self.rotary.cos, self.rotary.sin, positions, k_cache, v_cache,
-                                  attn.slot_mapping)
+                                  attn.slot_mapping, lora=qkv_delta)
         split = attn.num_decode
         if attn.decode_only:
             out = decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
@@ -127,8 +135,10 @@ class MLP(nn.Module):
         self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"])
         self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"])
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
-        return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x, lora)), lora)
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
+        """down_proj's output and the LoRA delta still to add to it (see `LoRALinear.forward`)."""
+        gate_up, delta = self.gate_up_proj(x, lora)
+        return self.down_proj(fused.silu_and_mul(gate_up, lora=delta), lora)
 
 
 class DecoderLayer(nn.Module):
@@ -139,14 +149,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                lora: LoRAStep | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns this layer's MLP output and the residual stream before it is added."""
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, kv_cache, attn, lora)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h, lora), residual
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, pending: kernels.LoRADelta | None,
+                positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
+                lora: LoRAStep | None) -> tuple[torch.Tensor, torch.Tensor, kernels.LoRADelta | None]:
+        """This layer's MLP output, the residual stream before it is added, and the MLP output's LoRA delta
+        still to add (`pending` is the previous layer's, which this layer's first norm adds)."""
+        h, residual = self.input_layernorm(x, residual, pending)
+        h, delta = self.self_attn(h, positions, kv_cache, attn, lora)
+        h, residual = self.post_attention_layernorm(h, residual, delta)
+        h, delta = self.mlp(h, lora)
+        return h, residual, delta
 
 
 class LlamaForCausalLM(nn.Module):
@@ -176,10 +188,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
 
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x, residual = self.embed_tokens(step.input_ids), None
+        x, residual, pending = self.embed_tokens(step.input_ids), None, None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, step.positions, kv_cache, step.attention, step.lora)
-        return self.norm(x, residual)[0]
+            x, residual, pending = layer(x, residual, pending, step.positions, kv_cache, step.attention, step.lora)
+        return self.norm(x, residual, pending)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts what it reads, and the greedy kernel reads them

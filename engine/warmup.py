@@ -48,6 +48,8 @@ def warm_up_eager_steps(runner: ModelRunner, *, max_num_batched_tokens: int, max
         runner.execute(scheduled, slots)
 
 
-def warm_up_greedy(sampler: Sampler, dtype: torch.dtype, device: torch.device) -> None:
-    """One greedy choice over a row of logits shaped and typed as the LM head's."""
-    sampler.greedy(torch.zeros(1, sampler.vocab_size, dtype=dtype, device=device))
+def warm_up_greedy(sampler: Sampler, dtype: torch.dtype, device: torch.device, max_rows: int) -> None:
+    """Greedy choices over one row and over max_rows rows of logits shaped and typed as the LM head's: the
+    kernel splits few rows' columns over many programs and runs many rows in one pass, two compiles."""
+    for rows in sorted({1, max_rows}):
+        sampler.greedy(torch.zeros(rows, sampler.vocab_size, dtype=dtype, device=device))

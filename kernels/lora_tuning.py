@@ -9,6 +9,7 @@ the launch (their accumulators share registers).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -20,6 +21,10 @@ SGMV_MIN_TOKENS = 129
 # SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
 SGMV_LARGE_TOKENS = 512
 SGMV_BLOCK_M = 64
+# In CUDA-graph decode buckets on the per-token path, leave each expand to the fused op that consumes the
+# projection (`LoRAStep.fold_expand`). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
+FOLD_EXPAND = True
+FOLD_EXPAND_ENV = "LORASERVE_LORA_FOLD"
 
 
 @dataclass(frozen=True)
@@ -71,6 +76,13 @@ _EXPAND: dict[tuple[str, int, int], ExpandConfig] = {
 
 def choose_path(num_tokens: int) -> str:
     return "sgmv" if num_tokens >= SGMV_MIN_TOKENS else "bgmv"
+
+
+def fold_expand() -> bool:
+    choice = os.environ.get(FOLD_EXPAND_ENV, "")
+    if choice not in ("", "0", "1"):
+        raise ValueError(f"{FOLD_EXPAND_ENV} must be 0 or 1, got {choice!r}")
+    return choice == "1" if choice else FOLD_EXPAND
 
 
 def sgmv_block_m(max_tokens: int) -> int:

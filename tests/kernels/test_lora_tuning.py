@@ -23,3 +23,15 @@ def test_every_rank_and_slice_count_has_a_config(path, max_tokens):
         assert lora_tuning.expand_config(path, block_m, rank).block_n > 0
         for num_slices in (1, 2, 3):
             assert lora_tuning.shrink_config(path, block_m, rank, num_slices).block_k > 0
+
+
+@pytest.mark.parametrize(("value", "want"), [("1", True), ("0", False), ("", lora_tuning.FOLD_EXPAND)])
+def test_the_fold_switch_reads_the_environment(monkeypatch, value, want):
+    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, value)
+    assert lora_tuning.fold_expand() is want
+
+
+def test_the_fold_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "yes")
+    with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be 0 or 1"):
+        lora_tuning.fold_expand()
