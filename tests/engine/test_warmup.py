@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.warmup import warm_up_eager_steps, warm_up_greedy
+from engine.warmup import warm_up_decode_attention, warm_up_eager_steps, warm_up_greedy
 from tests.engine.conftest import make_engine
 
 
@@ -33,3 +33,23 @@ def test_greedy_warm_up_chooses_over_one_row_and_the_largest_batch_shaped_and_ty
     warm_up_greedy(engine.sampler, torch.bfloat16, torch.device("cpu"), max_rows=8)
     vocab = engine.sampler.vocab_size
     assert seen == [((1, vocab), torch.bfloat16, vocab), ((8, vocab), torch.bfloat16, vocab)]
+
+
+def test_decode_attention_warm_up_launches_every_batch_class_narrow_and_wide(tiny_llama, monkeypatch):
+    engine = make_engine(tiny_llama, num_kv_blocks=8, max_model_len=96)
+    scratch = engine.allocator.num_blocks
+    launches = []
+    monkeypatch.setattr("engine.warmup.decode_attention", lambda q, k, v, tables, lens, scale: launches.append(
+        (q.shape[0], tables.shape[1], set(tables.flatten().tolist()), lens.tolist())))
+    warm_up_decode_attention(engine.runner, max_num_seqs=12, max_model_len=96, scratch_block=scratch)
+    wide = 96 // engine.runner.block_size
+    assert [(rows, width) for rows, width, _, _ in launches] == [
+        (rows, width) for rows in (1, 2, 4, 8, 12) for width in (1, wide)]
+    assert all(blocks == {scratch} and lens == [1] * rows for rows, _, blocks, lens in launches)
+
+
+def test_decode_attention_warm_up_leaves_the_kv_cache_as_it_was(tiny_llama):
+    engine = make_engine(tiny_llama, num_kv_blocks=8, max_model_len=96)
+    before = [(k.clone(), v.clone()) for k, v in engine.runner.kv_caches]
+    warm_up_decode_attention(engine.runner, max_num_seqs=4, max_model_len=96, scratch_block=engine.allocator.num_blocks)
+    assert all(torch.equal(k, k0) and torch.equal(v, v0) for (k, v), (k0, v0) in zip(engine.runner.kv_caches, before))

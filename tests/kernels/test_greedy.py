@@ -277,13 +277,15 @@ def test_default_splits_leave_many_rows_unsplit():
 
 
 @needs_triton
-@pytest.mark.parametrize("rows,want", [(2, ["_greedy_split_kernel", "_combine_kernel"]), (8, ["_greedy_kernel"])])
-def test_the_default_split_count_follows_rows_and_multiprocessors(rows, want, monkeypatch):
-    """Two multiprocessors want PROGRAMS_PER_SM * 2 = 8 programs: 2 rows are split, 8 are not."""
+@pytest.mark.parametrize("many_rows,want", [(False, ["_greedy_split_kernel", "_combine_kernel"]),
+                                             (True, ["_greedy_kernel"])])
+def test_the_default_split_count_follows_rows_and_multiprocessors(many_rows, want, monkeypatch):
+    """Two multiprocessors want 2 * PROGRAMS_PER_SM programs: 2 rows are split, that many rows are not."""
     from kernels import greedy_triton
 
     monkeypatch.setattr(greedy_triton, "multiprocessor_count", lambda device: 2)
     launches = record_calls(monkeypatch, greedy_triton, "_greedy_kernel", "_greedy_split_kernel", "_combine_kernel")
+    rows = 2 * greedy_triton.PROGRAMS_PER_SM if many_rows else 2
     logits = _logits(rows, 9000, torch.bfloat16, seed=41)
     _assert_matches_float64(logits, 9000, *greedy_triton.greedy(logits, 9000))
     assert [launch.name for launch in launches] == want
