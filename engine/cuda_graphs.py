@@ -20,16 +20,17 @@ from .model import LlamaForCausalLM
 from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
 
 
-# Buckets up to this many tokens are captured with cuBLASLt preferred for the layer GEMMs. H200, Llama-3-8B
-# shapes, one layer's four GEMMs at 64 tokens: 117.8 us against 123.2 with torch's default choice (which
-# splits K for gate/up and down); at 128 tokens 135.6 against 134.4 (`benchmarks/gemm_settings.py`).
-CUBLASLT_MAX_TOKENS = 64
+# Buckets of this many tokens are captured with cuBLASLt preferred for the layer GEMMs. H200, Llama-3-8B
+# shapes, one layer's four GEMMs, us against torch's default choice (which splits K for gate/up and down at
+# 64): 1 token 118.7 / 115.8, 16 122.9 / 117.8, 32 117.3 / 120.5, 64 121.2 / 126.1 (another run: 117.8 /
+# 123.2), 128 135.6 / 134.4 (`benchmarks/gemm_settings.py`).
+CUBLASLT_TOKENS = range(32, 65)
 
 
 @contextmanager
 def preferred_blas_for(tokens: int) -> Iterator[None]:
     """cuBLASLt preferred while a bucket of `tokens` is captured (its GEMMs are recorded in the graph)."""
-    if tokens > CUBLASLT_MAX_TOKENS:
+    if tokens not in CUBLASLT_TOKENS:
         yield
         return
     before = torch.backends.cuda.preferred_blas_library()

@@ -73,14 +73,14 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
-def test_small_buckets_are_captured_with_cublaslt_preferred_and_the_setting_restored():
-    from engine.cuda_graphs import CUBLASLT_MAX_TOKENS, preferred_blas_for
+@pytest.mark.parametrize("tokens", [16, 32, 64, 128])
+def test_buckets_of_32_to_64_tokens_are_captured_with_cublaslt_preferred_and_the_setting_restored(tokens):
+    from engine.cuda_graphs import CUBLASLT_TOKENS, preferred_blas_for
 
     before = torch.backends.cuda.preferred_blas_library()
-    with preferred_blas_for(CUBLASLT_MAX_TOKENS):
-        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
-    with preferred_blas_for(CUBLASLT_MAX_TOKENS + 1):
-        assert torch.backends.cuda.preferred_blas_library() == before
+    with preferred_blas_for(tokens):
+        inside = torch.backends.cuda.preferred_blas_library()
+    assert inside == (torch._C._BlasBackend.Cublaslt if tokens in CUBLASLT_TOKENS else before)
     assert torch.backends.cuda.preferred_blas_library() == before
 
 

@@ -122,6 +122,7 @@ def test_a_configs_split_target_decides_whether_the_context_is_split(programs_pe
             return combine[grid]
 
     monkeypatch.setattr(paged_attention_triton, "_combine_kernel", Spy())
+    monkeypatch.setattr(paged_attention_triton, "multiprocessor_count", lambda device: 4)  # 4 programs: 2 x 2 heads
     config = DecodeConfig(tokens=32, num_warps=4, num_stages=3, programs_per_sm=programs_per_sm)
     q, k_cache, v_cache, tables, lens = _case(9, 4, 2, [300, 40], 20, torch.float32)
     out = _run(q, k_cache, v_cache, tables, lens, num_splits=None, config=config)
