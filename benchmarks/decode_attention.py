@@ -8,7 +8,7 @@ run. Block tables are random; `--table-tokens` makes them wider than the context
 scratch block), as the engine's graphs are. `--splits` also times the given split counts (for tuning the default).
 Small shapes stay in the 60 MB L2 across graph replays, so their fraction of the floor can pass 1.
 
-`--sweep` tunes `kernels.paged_attention_triton._TABLE` instead: per shape class (dtype, batch x KV
+`--sweep` tunes `kernels.paged_attention_triton.DECODE_CONFIGS` instead: per shape class (dtype, batch x KV
 heads bucket) of the `--sweep-batches`, it times every candidate tile / warps / stages with each
 split target (the programs per SM that give 1, 2 or 4 splits) at the first of the `--sweep-contexts`,
 re-times the best few at every context, checks the winner against float64 and prints it as the
@@ -39,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
+from benchmarks.timing import graph_time_us  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SMOKE_HEADS, SMOKE_KV_HEADS, SMOKE_HEAD_DIM = 4, 2, 16
@@ -55,18 +56,6 @@ MAX_TILE_ELEMENTS_PER_THREAD = 128  # one K tile spread over the warps; more spi
 MAX_PROGRAMS_PER_SM = 16  # split counts past this many programs per multiprocessor are not tried
 SHORTLIST = 6  # the screen's best, re-timed at every context
 SWEEP_REP_MS = 5
-
-
-def _time_us(fn: Callable[[], object], device: torch.device, rep_ms: int = 20) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench_cudagraph(fn, rep=rep_ms) * 1e3
-    fn()
-    begin = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - begin) / 3 * 1e6
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -121,7 +110,8 @@ def _runner(case: Case, k_cache: torch.Tensor, v_cache: torch.Tensor, **kwargs) 
 
 def decode_row(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: int, context: int,
                table_tokens: int, splits: list[int], bandwidth: float) -> dict:
-    from kernels.paged_attention_triton import default_num_splits, multiprocessor_count
+    from kernels.device import multiprocessor_count
+    from kernels.paged_attention_triton import default_num_splits
 
     case = make_case(shapes, k_cache, v_cache, batch, context, table_tokens, bandwidth)
     width = case.tables.shape[1]
@@ -130,7 +120,7 @@ def decode_row(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
     for count in dict.fromkeys([1, default, *splits]):
         run = _runner(case, k_cache, v_cache, num_splits=count)
         errors[count] = _rel(run()[case.rows], case.ref)
-        times[count] = _time_us(run, k_cache.device)
+        times[count] = graph_time_us(run, k_cache.device)
     return dict(batch=batch, context=context, table_tokens=width * BLOCK_SIZE, default_splits=default,
                 single_us=times[1], split_us=times[default], floor_us=case.floor_us,
                 rel_err=max(errors.values()), times_by_splits={str(k): v for k, v in times.items()})
@@ -179,7 +169,7 @@ class Sweeper:
         run = _runner(case, self.k_cache, self.v_cache, config=config)
         try:
             run()
-            us = _time_us(run, self.k_cache.device, rep_ms=SWEEP_REP_MS)
+            us = graph_time_us(run, self.k_cache.device, rep_ms=SWEEP_REP_MS)
         except Exception as exc:  # noqa: BLE001 - out of shared memory or registers: just not a winner
             self.failed.add(config)
             self.log.append({"cfg": asdict(config), "error": str(exc)[:300]})
@@ -252,7 +242,8 @@ def run_sweep(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, batc
               budget_s: float) -> dict:
     """Sweep each shape class of `batches`; print per shape the winner against the table's config, then the
     winners as the table's lines."""
-    from kernels.paged_attention_triton import decode_class, decode_config, default_num_splits, multiprocessor_count
+    from kernels.device import multiprocessor_count
+    from kernels.paged_attention_triton import decode_class, decode_config, default_num_splits
 
     began = time.time()
     dtype = k_cache.dtype
@@ -289,8 +280,8 @@ def run_sweep(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, batc
                   f"{case.floor_us:>10.1f}{case.floor_us / table_us:>9.2f}{case.floor_us / best_us:>8.2f}"
                   f"{error:>9.1e}", flush=True)
     source = "\n".join(f'    ("{name}", {bucket}): {config!r},' for (name, bucket), config in sorted(winners.items()))
-    print(f"sweep winners ({time.time() - began:.0f} s; lines of _TABLE in kernels/paged_attention_triton.py):\n"
-          f"{source}", flush=True)
+    print(f"sweep winners ({time.time() - began:.0f} s; lines of DECODE_CONFIGS in "
+          f"kernels/paged_attention_triton.py):\n{source}", flush=True)
     return dict(rows=rows, winners=source, seconds=time.time() - began, log=log)
 
 

@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.timing import graph_time_us  # noqa: E402
 from kernels import (  # noqa: E402
     LoRADelta,
     fused_torch,
@@ -88,18 +88,6 @@ class Case:
     run_baseline: Callable[[], object]
     run_triton: Callable[[], object]
     check: Callable[[], float]
-
-
-def _time_us(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench_cudagraph(fn, rep=50) * 1e3
-    fn()
-    begin = time.perf_counter()
-    for _ in range(2):
-        fn()
-    return (time.perf_counter() - begin) / 2 * 1e6
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -310,9 +298,9 @@ def main() -> None:
         for name, case in cases.items():
             err = case.check()
             if case.run_baseline not in baseline_us:
-                baseline_us[case.run_baseline] = _time_us(case.run_baseline, device)
+                baseline_us[case.run_baseline] = graph_time_us(case.run_baseline, device, rep_ms=50, cpu_calls=2)
             before = baseline_us[case.run_baseline]
-            triton_us = _time_us(case.run_triton, device)
+            triton_us = graph_time_us(case.run_triton, device, rep_ms=50, cpu_calls=2)
             rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=before, triton_us=triton_us,
                              rel_err=err))
             print(f"{name:<44}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"

@@ -18,8 +18,6 @@ import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
+from benchmarks.timing import graph_time_us  # noqa: E402
 
 VOCAB = 128256
 ROWS = [1, 8, 32, 64, 128, 256]
@@ -34,23 +33,11 @@ SPLITS = [1, 2, 4, 8, 16, 32]
 SMOKE_VOCAB, SMOKE_ROWS, SMOKE_SPLITS = 5000, [1, 3], [1, 2, 3]
 
 
-def _time_us(fn: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        import triton.testing
-
-        return triton.testing.do_bench_cudagraph(fn, rep=20) * 1e3
-    fn()
-    begin = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - begin) / 3 * 1e6
-
-
 def greedy_row(rows: int, vocab: int, splits: list[int], dtype: torch.dtype, device: torch.device,
                bandwidth: float) -> dict:
     from kernels import greedy_triton
+    from kernels.device import multiprocessor_count
     from kernels.greedy import greedy_torch
-    from kernels.paged_attention_triton import multiprocessor_count
 
     gen = torch.Generator(device=device).manual_seed(rows)
     logits = (torch.randn(rows, vocab, generator=gen, device=device) * 4).to(dtype)
@@ -64,8 +51,8 @@ def greedy_row(rows: int, vocab: int, splits: list[int], dtype: torch.dtype, dev
         tokens_match &= torch.equal(token_ids, want_ids)
         errors[label] = (logprobs - want_logprobs).abs().max().item()
         used[label] = greedy_triton.split_layout(vocab, count)[1]
-        times[label] = _time_us(run, device)
-    torch_us = _time_us(lambda: greedy_torch(logits, vocab), device)
+        times[label] = graph_time_us(run, device)
+    torch_us = graph_time_us(lambda: greedy_torch(logits, vocab), device)
     floor_us = rows * vocab * logits.element_size() / bandwidth * 1e6
     return dict(rows=rows, vocab=vocab, floor_us=floor_us, torch_us=torch_us, auto_splits=used["auto"],
                 times_by_splits=times, used_splits=used, tokens_match=tokens_match,
@@ -97,7 +84,8 @@ def main() -> None:
         row = greedy_row(rows, vocab, args.splits, dtype, device, bandwidth)
         results.append(row)
         cells = "".join(f"{row['times_by_splits'][label]:>9.1f}" for label in labels)
-        used = " ".join(f"{label}->{n}" for label, n in row["used_splits"].items() if label != "auto" and int(label) != n)
+        used = " ".join(f"{label}->{n}" for label, n in row["used_splits"].items()
+                        if label != "auto" and int(label) != n)
         print(f"{rows:>5}{row['floor_us']:>10.2f}{row['torch_us']:>10.1f}{cells}"
               f"{row['floor_us'] / row['times_by_splits']['auto']:>15.2f}{row['max_logprob_err']:>9.1e}"
               f"  auto={row['auto_splits']}" + (f" ran {used}" if used else "")

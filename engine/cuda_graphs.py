@@ -3,7 +3,10 @@
 Every input the layers read lives in static buffers (token ids, positions, KV slots, block
 tables, context lengths, adapter slots); a step copies its values in and replays the graph of
 the smallest bucket that fits, which also groups the tokens by adapter (the LoRA metadata).
-Padding rows write their KV to a scratch block nobody reads and use no adapter.
+Padding rows write their KV to a scratch block nobody reads and use no adapter. Buckets on the
+per-token LoRA path run each shrink beside its base matmul and leave each expand to the fused op
+after it (`LoRAStep`; `lora_tuning.fold_expand` can turn that off); buckets of CUBLASLT_TOKENS are
+captured with cuBLASLt preferred.
 """
 from __future__ import annotations
 
@@ -114,9 +117,9 @@ class DecodeGraphs:
         if self.num_lora_slots:
             # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
             # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV) 10.93 against 10.79
-            overlap = lora_tuning.choose_path(size) == "bgmv"
-            lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if overlap else None,
-                            fold_expand=overlap and lora_tuning.fold_expand())
+            per_token = lora_tuning.choose_path(size) == "bgmv"
+            lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if per_token else None,
+                            fold_expand=per_token and lora_tuning.fold_expand())
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:

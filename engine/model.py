@@ -1,7 +1,10 @@
 """Our own forward pass for Llama-style decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
 
 Every projection is a `LoRALinear`, so the multi-LoRA path adds a per-token adapter delta to
-q, k, v, o, gate, up and down without the model knowing which adapters exist.
+q, k, v, o, gate, up and down without the model knowing which adapters exist. When a step folds
+the expands (`LoRAStep.fold_expand`), a projection returns its delta (`kernels.LoRADelta`) instead
+of adding it, and the fused op that consumes the output adds it: qkv's in the rotary + KV write,
+gate/up's in SiLU·up, o's and down's in the next RMSNorm.
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from .step_input import AttentionMetadata, LoRAStep, StepInput
 
 
 class LoRALinear(nn.Module):
-    """`y = x W^T + b`, plus `expand(shrink(x, A[slot]), B[slot])` for each output slice.
+    """`y = x W^T + b`, plus `expand(shrink(x, A[slot]), B[slot])` for each output slice (added here, or
+    returned as a `LoRADelta` for the next op when the step folds the expands).
 
     Slices (q/k/v, gate/up) share one base matmul; `lora_a[i]`/`lora_b[i]` are the stacked
     slot tensors `[S, R, K]` / `[S, N_i, R]` the LoRA manager attaches.

@@ -1,4 +1,5 @@
-"""Torch reference for the fused per-token ops of a decoder layer (the CPU path and the oracle)."""
+"""Torch reference for the fused per-token ops of a decoder layer (the CPU path and the oracle); a LoRA
+delta is applied by the unfused expand, then the op runs."""
 from __future__ import annotations
 
 import torch

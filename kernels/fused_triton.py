@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import _slot_stacks
+from kernels.lora_triton import slot_stacks
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LoRAOpConfig:
     num_warps: int
     chunks_per_program: int = 1
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("chunk", "block_r", "num_warps"):
             value = getattr(self, name)
             if value < 1 or value & (value - 1):
@@ -58,7 +58,7 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
     placeholders that no kernel reads without a delta. The rank is a constexpr: one compile per rank."""
     if lora is None:
         return (placeholder,) * (num_slices + 2) + (0,) * (num_slices + 3)
-    b_slices = _slot_stacks(lora.b_slices)
+    b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
     return (h, *b_slices, lora.meta.slots, lora.rank, *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
 

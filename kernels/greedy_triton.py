@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention_triton import multiprocessor_count
+from kernels.device import multiprocessor_count
 
 BLOCK = 4096
 NUM_WARPS = 8

@@ -247,7 +247,7 @@ def _padded(seq: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return list(seq) + [seq[0]] * (MAX_SLICES - len(seq))
 
 
-def _slot_stacks(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def slot_stacks(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Stacked slot tensors [S, rows, cols] as the kernels read them: each slot's matrix contiguous, any
     stride between slots (the engine's slots are views of one [S, slot size] buffer)."""
     return [t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in stacks]
@@ -274,7 +274,7 @@ def shrink_slices(
     _check_tokens(meta, num_tokens)
     if x.stride(1) != 1:
         x = x.contiguous()
-    a_slices = _slot_stacks(a_slices)
+    a_slices = slot_stacks(a_slices)
     if len({a.stride(0) for a in a_slices}) > 1:
         a_slices = [a.contiguous() for a in a_slices]  # one slot stride for all slices (same shapes)
     if out is None:
@@ -326,7 +326,7 @@ def expand_slices(
     if y.stride(1) != 1:
         raise ValueError("y must have unit stride along its columns")
     rank = b_slices[0].shape[2]
-    b_slices = _slot_stacks(b_slices)
+    b_slices = slot_stacks(b_slices)
     path = path or lora_tuning.choose_path(num_tokens)
     cfg = config or lora_tuning.expand_config(path, meta.block_m, rank)
     min_block = 16 if path == "sgmv" else 1

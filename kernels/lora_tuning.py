@@ -4,14 +4,16 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 --sweep` times candidates per class and prints the winners that go here (see BENCHMARKS.md).
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
-the launch (their accumulators share registers).
+the launch (their accumulators share registers). Also here: which path a batch takes
+(`choose_path`) and whether decode graphs fold each expand into the fused op after it (`fold_expand`).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from functools import lru_cache
+
+from kernels.backend import env_switch
 
 # Batches with at least this many tokens take the segment (SGMV) path; smaller ones go per token (BGMV).
 # The decode graphs' top bucket (128) stays per token: per layer at rank 16 on an H200, 128 tokens over
@@ -79,10 +81,8 @@ def choose_path(num_tokens: int) -> str:
 
 
 def fold_expand() -> bool:
-    choice = os.environ.get(FOLD_EXPAND_ENV, "")
-    if choice not in ("", "0", "1"):
-        raise ValueError(f"{FOLD_EXPAND_ENV} must be 0 or 1, got {choice!r}")
-    return choice == "1" if choice else FOLD_EXPAND
+    """Whether BGMV decode graphs fold the expands: FOLD_EXPAND unless LORASERVE_LORA_FOLD says otherwise."""
+    return env_switch(FOLD_EXPAND_ENV, "1", "0", FOLD_EXPAND)
 
 
 def sgmv_block_m(max_tokens: int) -> int:

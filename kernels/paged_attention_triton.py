@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.device import multiprocessor_count
 from kernels.online_softmax_triton import LOG2_E, fold_tile
 
 # Split until about this many programs per multiprocessor (each class's DecodeConfig carries its own; this is
@@ -56,7 +57,7 @@ class DecodeConfig:
 # contexts 544-2048; triton 3.6), 2026-11-29: at 544 tokens, batch 32 28.0 -> 22.7 us, 64 39.0 -> 38.4,
 # 128 74.3 -> 69.8. Smaller shapes (and fp32, not swept) launch as before: 64-token tiles (32 in fp32),
 # 4 warps, 3 stages, 4 programs per SM.
-_TABLE: dict[tuple[str, int], DecodeConfig] = {
+DECODE_CONFIGS: dict[tuple[str, int], DecodeConfig] = {
     ("16bit", 128): DecodeConfig(tokens=64, num_warps=4, num_stages=3, programs_per_sm=4),
     ("16bit", 256): DecodeConfig(tokens=128, num_warps=4, num_stages=2, programs_per_sm=2),
     ("16bit", 512): DecodeConfig(tokens=64, num_warps=2, num_stages=2, programs_per_sm=4),
@@ -74,9 +75,9 @@ def decode_class(dtype: torch.dtype, batch: int, kv_heads: int) -> tuple[str, in
 def decode_config(dtype: torch.dtype, batch: int, kv_heads: int) -> DecodeConfig:
     """The table's config for this shape: the smallest bucket of its dtype class at or above batch x KV heads."""
     dtype_class, programs = decode_class(dtype, batch, kv_heads)
-    buckets = [key for cls, key in _TABLE if cls == dtype_class]
+    buckets = [key for cls, key in DECODE_CONFIGS if cls == dtype_class]
     above = [key for key in buckets if key >= programs]
-    return _TABLE[(dtype_class, min(above) if above else max(buckets))]
+    return DECODE_CONFIGS[(dtype_class, min(above) if above else max(buckets))]
 
 
 # Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
@@ -147,13 +148,6 @@ def _combine_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_
     weight = tl.exp2(m - tl.max(m, axis=0))  # the partial maxima are in log2 units
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * l, axis=0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
-
-
-@cache
-def multiprocessor_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def default_num_splits(batch: int, kv_heads: int, max_context: int, multiprocessors: int,

@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import kernels
+
 from ..model import LlamaForCausalLM, LoRALinear
 from ..model_loader import iter_safetensors
 from ..step_input import LoRAStep
@@ -37,8 +39,6 @@ class RowParallelLoRALinear(LoRALinear):
         if self.bias is not None:
             y = y + self.bias
         if lora is not None and self.lora_a is not None:
-            import kernels
-
             h = self.group.all_reduce(kernels.lora_shrink_slices(x, self.lora_a, lora.meta))
             kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y, None

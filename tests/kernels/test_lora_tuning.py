@@ -33,5 +33,5 @@ def test_the_fold_switch_reads_the_environment(monkeypatch, value, want):
 
 def test_the_fold_switch_refuses_other_values(monkeypatch):
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "yes")
-    with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be 0 or 1"):
+    with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be '1' or '0'"):
         lora_tuning.fold_expand()

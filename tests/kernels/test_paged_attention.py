@@ -7,7 +7,7 @@ import torch
 
 from kernels.attention import decode_attention, write_kv_torch
 from kernels.attention import paged_attention_decode as torch_decode
-from tests.kernels.lora_cases import relative_error, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, relative_error, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
@@ -113,15 +113,7 @@ def test_a_configs_split_target_decides_whether_the_context_is_split(programs_pe
     from kernels import paged_attention_triton
     from kernels.paged_attention_triton import DecodeConfig
 
-    launches = []
-    combine = paged_attention_triton._combine_kernel
-
-    class Spy:
-        def __getitem__(self, grid):
-            launches.append(grid)
-            return combine[grid]
-
-    monkeypatch.setattr(paged_attention_triton, "_combine_kernel", Spy())
+    launches = record_calls(monkeypatch, paged_attention_triton, "_combine_kernel")
     monkeypatch.setattr(paged_attention_triton, "multiprocessor_count", lambda device: 4)  # 4 programs: 2 x 2 heads
     config = DecodeConfig(tokens=32, num_warps=4, num_stages=3, programs_per_sm=programs_per_sm)
     q, k_cache, v_cache, tables, lens = _case(9, 4, 2, [300, 40], 20, torch.float32)
@@ -163,7 +155,7 @@ def small_table(monkeypatch):
 
     table = {("16bit", 256): DecodeConfig(16, 2, 1), ("16bit", 1024): DecodeConfig(32, 8, 2),
              ("fp32", 256): DecodeConfig(128, 4, 4)}
-    monkeypatch.setattr(paged_attention_triton, "_TABLE", table)
+    monkeypatch.setattr(paged_attention_triton, "DECODE_CONFIGS", table)
     paged_attention_triton.decode_config.cache_clear()
     yield table
     paged_attention_triton.decode_config.cache_clear()
@@ -192,11 +184,11 @@ def test_default_split_count_follows_the_split_target():
 @pytest.mark.gpu
 @pytest.mark.skipif(DEVICE != "cuda", reason="needs a CUDA device")
 def test_every_table_config_matches_float64_at_llama3_8b_heads_on_the_gpu():
-    from kernels.paged_attention_triton import _TABLE
+    from kernels.paged_attention_triton import DECODE_CONFIGS
 
     # a table 2048 tokens wide, as the decode graphs' are; lengths across tiles and splits
     lengths = [544, 1, 2048, 1000, 17, 1500, 64, 700]
-    for (dtype_class, bucket), config in _TABLE.items():
+    for (dtype_class, bucket), config in DECODE_CONFIGS.items():
         dtype = torch.float32 if dtype_class == "fp32" else torch.bfloat16
         q, k_cache, v_cache, tables, lens = _case(bucket, 32, 8, lengths, 128, dtype, dim=128)
         out = _run(q, k_cache, v_cache, tables, lens, num_splits=None, config=config)
