@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import fused_torch
-from tests.kernels.lora_cases import triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_runs_in_process(),
@@ -150,17 +150,6 @@ def test_the_triton_rotary_and_write_kv_matches_the_torch_reference(shape, dtype
         torch.testing.assert_close(a, b, equal_nan=True)
 
 
-class _CountingKernel:
-    """Stands in for a Triton kernel and records each launch by name before running it."""
-
-    def __init__(self, kernel, name: str, launches: list[str]):
-        self.kernel, self.name, self.launches = kernel, name, launches
-
-    def __getitem__(self, grid):
-        self.launches.append(self.name)
-        return self.kernel[grid]
-
-
 @needs_triton
 @pytest.mark.parametrize("backend,want", [("triton", ["_rotary_and_write_kv_kernel"]), ("torch", []),
                                           ("", ["_rotary_and_write_kv_kernel"] if DEVICE == "cuda" else [])])
@@ -168,14 +157,12 @@ def test_the_backend_switch_picks_one_fused_launch_or_the_torch_ops(backend, wan
     from kernels import fused, fused_triton
 
     monkeypatch.setenv(fused.BACKEND_ENV, backend)
-    launches: list[str] = []
-    name = "_rotary_and_write_kv_kernel"
-    monkeypatch.setattr(fused_triton, name, _CountingKernel(getattr(fused_triton, name), name, launches))
+    launches = record_calls(monkeypatch, fused_triton, "_rotary_and_write_kv_kernel")
     case, want_case = _rotary_kv_case(3, (4, 2, 16), torch.float32), _rotary_kv_case(3, (4, 2, 16), torch.float32)
     case.run(fused)
     want_case.run(fused_torch)
     torch.testing.assert_close(case.k_cache, want_case.k_cache, equal_nan=True)
-    assert launches == want
+    assert [launch.name for launch in launches] == want
 
 
 @pytest.mark.gpu
