@@ -7,6 +7,10 @@ The adapters are the serving benchmark's (`serving.make_adapters`): peft directo
 7 projections of 32 layers (448 tensors, 84 MB in bf16), whose weight files link to `--unique` files,
 checked against the model config `serving.make_model_dir` writes, as workload (d) checks them. Each
 round checks every adapter once; the median is over all checks after the first (warm-up) round.
+
+On the repository's 2-core CPU machine: 2.23-2.32 ms per check with meta tensors for the header and
+the targets matched per adapter; 0.84-0.86 ms with plain header objects and the targets, plans and
+key parsing cached (most of what is left is safetensors parsing the 448-entry header).
 """
 from __future__ import annotations
 
