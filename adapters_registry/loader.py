@@ -11,7 +11,7 @@ from .base_model import check_base_model
 from .errors import AdapterError
 from .model_info import ModelInfo
 from .peft_config import ModulePlan, check_supported, plan_modules, read_adapter_config
-from .weights import group_lora_tensors, read_tensor_headers, read_tensors
+from .weights import TensorHeader, group_lora_tensors, read_tensor_headers, read_tensors
 
 
 @dataclass
@@ -36,14 +36,14 @@ class LoadedAdapter:
     nbytes: int
 
 
-def _check_sides(module: str, plan: ModulePlan, sides: dict[str, torch.Tensor], shape: tuple[int, int]) -> None:
-    missing = [f"lora_{side}" for side in "AB" if side not in sides]
-    if missing:
+def _check_sides(module: str, plan: ModulePlan, sides: dict[str, torch.Tensor | TensorHeader],
+                 shape: tuple[int, int]) -> None:
+    if len(sides) < 2:
+        missing = [f"lora_{side}" for side in "AB" if side not in sides]
         raise AdapterError(f"Adapter weights for {module} are missing {' and '.join(missing)}.")
     out_features, in_features = shape
-    expected = {"A": (plan.rank, in_features), "B": (out_features, plan.rank)}
-    for side, want in expected.items():
-        got = tuple(sides[side].shape)
+    for side, want in (("A", (plan.rank, in_features)), ("B", (out_features, plan.rank))):
+        got = sides[side].shape
         if got != want:
             raise AdapterError(f"Adapter weight lora_{side} for {module} has shape {list(got)}; expected {list(want)}.")
 
@@ -87,8 +87,9 @@ def check_adapter(path: str | Path, model: ModelInfo, *, allow_pickle: bool = Fa
 
 
 def _validated(directory: Path, model: ModelInfo, read, allow_pickle: bool
-               ) -> tuple[dict, dict[str, ModulePlan], dict[str, dict[str, torch.Tensor]]]:
-    """The adapter's config, its per-module plans and its A/B tensors by module, after every check."""
+               ) -> tuple[dict, dict[str, ModulePlan], dict[str, dict[str, torch.Tensor | TensorHeader]]]:
+    """The adapter's config, its per-module plans and its A/B tensors (or their headers) by module,
+    after every check."""
     config = read_adapter_config(directory)
     check_supported(config)
     check_base_model(config, model, str(directory))

@@ -281,3 +281,51 @@ def test_invalid_regex_target_modules_is_refused(adapter_copy, model_info):
 def test_malformed_layers_to_transform_is_refused(adapter_copy, model_info):
     message = refusal(adapter_copy(layers_to_transform="1"), model_info)
     assert message == "adapter_config.json: layers_to_transform must be an integer or a list, got '1'."
+
+
+def test_integer_lora_weights_are_refused(adapter_copy, model_info):
+    adapter = adapter_copy()
+    rewrite_weights(adapter, lambda t: t.update({f"{Q0}.lora_A.weight": torch.zeros(8, 64, dtype=torch.int32)}))
+    message = refusal(adapter, model_info)
+    assert message == f"{Q0}.lora_A.weight has dtype torch.int32; LoRA weights must be floating point."
+
+
+def test_two_lora_a_weights_for_one_module_are_refused(adapter_copy, model_info):
+    adapter = adapter_copy()
+    rewrite_weights(adapter, lambda t: t.update({f"{Q0}.lora_A.default.weight": t[f"{Q0}.lora_A.weight"].clone()}))
+    message = refusal(adapter, model_info)
+    assert message == "weight file has more than one lora_A for model.layers.0.self_attn.q_proj."
+
+
+def test_bf16_adapter_passes_the_header_check(adapter_copy, model_info):
+    adapter = adapter_copy()
+    rewrite_weights(adapter, lambda t: t.update({k: v.bfloat16() for k, v in t.items()}))
+    assert check_adapter(adapter, model_info) is None
+
+
+def test_adapter_name_key_form_passes_the_header_check(adapter_copy, model_info):
+    adapter = adapter_copy()
+    rewrite_weights(adapter, lambda t: t.update({k.replace(".weight", ".default.weight"): t.pop(k) for k in list(t)}))
+    assert check_adapter(adapter, model_info) is None
+
+
+def test_a_check_against_one_model_does_not_carry_over_to_a_model_with_fewer_layers(good_adapter, model_info):
+    check_adapter(good_adapter, model_info)
+    layer_0 = {name: shape for name, shape in model_info.module_shapes.items() if name.startswith("model.layers.0.")}
+    message = refusal(good_adapter, dataclasses.replace(model_info, module_shapes=layer_0))
+    assert message.startswith("Adapter weights include model.layers.1.")
+    assert message.endswith(", which has no LoRA path in this model.")
+
+
+def test_a_check_against_one_model_does_not_carry_over_to_a_model_with_other_shapes(good_adapter, model_info):
+    check_adapter(good_adapter, model_info)
+    wider = dict(model_info.module_shapes, **{"model.layers.0.self_attn.q_proj": (64, 128)})
+    message = refusal(good_adapter, dataclasses.replace(model_info, module_shapes=wider))
+    assert message == "Adapter weight lora_A for model.layers.0.self_attn.q_proj has shape [8, 64]; expected [8, 128]."
+
+
+def test_layers_to_transform_narrows_the_targets_of_an_adapter_checked_before(adapter_copy, good_adapter, model_info):
+    check_adapter(good_adapter, model_info)
+    message = refusal(adapter_copy(layers_to_transform=[0]), model_info)
+    assert message.startswith("Adapter weights include model.layers.1.")
+    assert message.endswith(", which is not targeted by adapter_config.json.")
