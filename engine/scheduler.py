@@ -18,6 +18,9 @@ from .lora_request import LoRARequest
 from .sequence import Sequence, SequenceStatus
 
 
+ADMISSION_ORDERS = ("fcfs", "by_adapter", "most_waiting")
+
+
 class AdapterSlots(Protocol):
     def collect_reads(self) -> None: ...
     def is_ready(self, lora_request: LoRARequest, pinnable: bool) -> bool: ...
@@ -52,13 +55,20 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
-                 max_num_batched_tokens: int, adapter_slots: AdapterSlots | None = None, max_skips: int = 8):
+                 max_num_batched_tokens: int, adapter_slots: AdapterSlots | None = None, max_skips: int = 8,
+                 admission_order: str = "fcfs"):
+        """admission_order: the order waiting sequences are considered in (starving ones always first):
+        "fcfs", arrival; "by_adapter", each adapter's sequences together, adapters by first arrival;
+        "most_waiting", adapters with the most waiting sequences first (ties: first arrival)."""
+        if admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {ADMISSION_ORDERS}, got {admission_order!r}")
         self.allocator = allocator
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.adapter_slots = adapter_slots
         self.max_skips = max_skips
+        self.admission_order = admission_order
         self.waiting: deque[Sequence] = deque()
         self.draining: int | None = None  # adapter int id getting no new sequences, for a starving one
         self.running: list[Sequence] = []
@@ -158,7 +168,7 @@ class Scheduler:
         if slots is not None:
             slots.collect_reads()  # once per pass: a read landing mid-pass could be evicted before its turn
         read_errors: dict[int, BaseException] = {}
-        for seq in list(self.waiting):
+        for seq in self._in_admission_order():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
             lora = seq.request.lora_request if slots is not None else None
@@ -193,3 +203,20 @@ class Scheduler:
             self.running.append(seq)
             output.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+
+    def _in_admission_order(self) -> list[Sequence]:
+        waiting = list(self.waiting)
+        if self.admission_order == "fcfs" or self.adapter_slots is None:
+            return waiting
+        first_at: dict[int, int] = {}
+        count: dict[int, int] = {}
+        for position, seq in enumerate(waiting):
+            first_at.setdefault(seq.lora_int_id, position)
+            count[seq.lora_int_id] = count.get(seq.lora_int_id, 0) + 1
+        if self.admission_order == "by_adapter":
+            def key(seq: Sequence) -> tuple:
+                return seq.skipped_steps <= self.max_skips, first_at[seq.lora_int_id]
+        else:
+            def key(seq: Sequence) -> tuple:
+                return seq.skipped_steps <= self.max_skips, -count[seq.lora_int_id], first_at[seq.lora_int_id]
+        return sorted(waiting, key=key)
