@@ -1,7 +1,7 @@
 """Workload (d)'s schedule on the CPU, without a model: how many steps, at what batch, and an estimated GPU time.
 
-    python benchmarks/zipf_schedule.py                                  # today's admission order
-    python benchmarks/zipf_schedule.py --admission-order fcfs most_waiting  # policies side by side
+    python benchmarks/zipf_schedule.py                                      # the default admission order
+    python benchmarks/zipf_schedule.py --admission-order fcfs balanced     # orders side by side
 
 It drives the real `Scheduler` and the real `LoRAManager` through (d)'s request mix (512 requests of
 512 prompt + 128 output tokens, greedy, ignore_eos, all queued at t=0; 1000 adapters, Zipf(1.1) picks as in
@@ -11,8 +11,8 @@ decode step left in flight, continued by `schedule_decode`, and drained by a ste
 
 What is not real: the manager's model is one 1×1 LoRA linear (slots and host rows hold nothing that
 matters), and its disk reads are futures that finish `--read-steps` steps after they were submitted
-(1: ready for the next step's admission; an adapter read takes about 80 ms on the H200 host, one
-prefill step 210 ms and ten decode steps). The KV cache has the blocks the engine gives (d) on the
+(1: ready for the next step's admission). An adapter read takes about 80 ms on the H200 host, one prefill
+step 210 ms and ten decode steps; the default, 3, gives the H200 run's 5 idle steps at the start. The KV cache has the blocks the engine gives (d) on the
 H200 (128 sequences × 704 tokens), so nothing is preempted. GPU time is a cost model of the H200
 steps: 5.3 ms + 0.037 ms per decode row + 0.026 ms per prompt token (a fit of BENCHMARKS.md's decode
 steps at batch 16–128 with 64 adapters, and ~210 ms per 8192-token prefill step); a drain or idle step
@@ -75,6 +75,8 @@ class Result:
     mean_running: float
     mean_decode_batch: float  # over the decode-only steps that ran a forward
     estimated_gpu_s: float
+    estimated_decode_only_s: float  # of which in decode-only steps
+    schedule_ms_per_step: float  # host time in schedule() and schedule_decode(), on this machine
     slot_loads: int
     disk_reads: int
     distinct_adapters: int
@@ -235,7 +237,8 @@ class Simulation:
     def run(self) -> Result:
         scheduler = self.scheduler
         steps = decode_only = idle = forwards = 0
-        running_after, decode_batches, gpu_ms = [], [], 0.0
+        running_after, decode_batches, gpu_ms, decode_ms = [], [], 0.0, 0.0
+        schedule_s = _time_schedule_calls(scheduler)
         while self.unfinished():
             prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in scheduler.running)
             waiting_before = len(scheduler.waiting)
@@ -247,6 +250,7 @@ class Simulation:
             idle += len(scheduler.running) == 0
             if prefilled and len(scheduler.waiting) == waiting_before:
                 decode_only += 1
+                decode_ms += ms
                 if forward:
                     decode_batches.append(round((ms - DECODE_BASE_MS) / DECODE_ROW_MS))
             if steps > 100_000:
@@ -254,19 +258,38 @@ class Simulation:
         return Result(admission_order=scheduler.admission_order, steps=steps, decode_only_steps=decode_only,
                       admitting_steps=steps - decode_only, idle_steps=idle, forward_steps=forwards,
                       mean_running=statistics.mean(running_after), mean_decode_batch=statistics.mean(decode_batches),
-                      estimated_gpu_s=gpu_ms / 1e3, slot_loads=self.manager.slot_loads,
+                      estimated_gpu_s=gpu_ms / 1e3, estimated_decode_only_s=decode_ms / 1e3,
+                      schedule_ms_per_step=1e3 * schedule_s[0] / steps, slot_loads=self.manager.slot_loads,
                       disk_reads=self.manager.disk_reads, distinct_adapters=self.distinct_adapters)
 
 
-def simulate(admission_order: str = "fcfs", read_steps: int = 1, async_scheduling: bool = True,
+def _time_schedule_calls(scheduler: Scheduler) -> list[float]:
+    """Wrap the scheduler's two entry points; the returned one-element list accumulates their seconds."""
+    spent = [0.0]
+
+    def timed(function):
+        def run():
+            t = time.perf_counter()
+            try:
+                return function()
+            finally:
+                spent[0] += time.perf_counter() - t
+        return run
+
+    scheduler.schedule = timed(scheduler.schedule)
+    scheduler.schedule_decode = timed(scheduler.schedule_decode)
+    return spent
+
+
+def simulate(admission_order: str = "fcfs", read_steps: int = 3, async_scheduling: bool = True,
              workload: Workload | None = None) -> Result:
     return Simulation(workload or Workload(), admission_order, read_steps, async_scheduling).run()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--admission-order", nargs="*", choices=ADMISSION_ORDERS, default=["fcfs"])
-    parser.add_argument("--read-steps", type=int, nargs="*", default=[1],
+    parser.add_argument("--admission-order", nargs="*", choices=ADMISSION_ORDERS, default=[ADMISSION_ORDERS[0]])
+    parser.add_argument("--read-steps", type=int, nargs="*", default=[3],
                         help="steps an adapter read takes (1: ready for the next step)")
     parser.add_argument("--sync", action="store_true", help="synchronous steps (no async scheduling)")
     parser.add_argument("--seed", type=int, default=0, help="the Zipf picks' seed (serving.py's is 0)")

@@ -179,7 +179,7 @@ class LoRAManager:
             return False
         if len(self.host) + len(self._reads) < self.max_cpu_loras:
             return True
-        return pinnable and len(self._reads) < self._takeable_slots()
+        return pinnable and len(self._reads) < self.takeable_slots()
 
     def wait_for_reads(self, timeout: float | None) -> None:
         """Block until a background read finishes (or the timeout): for a step that has nothing to
@@ -203,7 +203,11 @@ class LoRAManager:
     def can_pin(self, lora_request: LoRARequest) -> bool:
         if lora_request.lora_int_id in self.slot_owner:
             return True
-        return self._takeable_slots() > 0
+        return self.takeable_slots() > 0
+
+    def is_resident(self, lora_request: LoRARequest) -> bool:
+        """True when the adapter holds a slot: more sequences for it need no other."""
+        return lora_request.lora_int_id in self.slot_owner
 
     def drain_candidate(self) -> int | None:
         """The resident adapter with the fewest running sequences: its slot frees soonest if it gets
@@ -241,7 +245,7 @@ class LoRAManager:
         return sum(owner is not None for owner in self.slot_owner), self.num_slots
 
     # ---- internals ------------------------------------------------------------------------
-    def _takeable_slots(self) -> int:
+    def takeable_slots(self) -> int:
         """Slots a new adapter could go into now: empty, or holding one no running sequence uses."""
         return sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
 
