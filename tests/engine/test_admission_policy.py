@@ -1,0 +1,86 @@
+"""The scheduler's admission orders: fcfs (the default) and balanced (adapters picked to fill slots and batch)."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LoRARequest, SamplingParams
+from engine.kv_cache import BlockAllocator
+from engine.scheduler import Scheduler
+from tests.engine.conftest import make_engine, run_to_completion
+from tests.tiny_models import make_peft_adapter
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("admission-adapters")
+    return [LoRARequest(f"adapter-{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"adapter-{i}", r=4, seed=i)))
+            for i in range(3)]
+
+
+def balanced_engine(tiny_llama, adapters, **overrides):
+    """An engine admitting in the balanced order, every adapter already in its host cache (read now, so
+    admission never waits for a background read)."""
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_cpu_loras=len(adapters), **overrides)
+    engine.scheduler.admission_order = "balanced"
+    for lora in adapters:
+        engine.lora_manager.add(lora)
+    return engine
+
+
+def running_adapters(engine) -> list[str]:
+    return sorted(seq.request.lora_request.lora_name for seq in engine.scheduler.running)
+
+
+def test_fcfs_is_the_default_order():
+    assert Scheduler(BlockAllocator(4), 16, 4, 64).admission_order == "fcfs"
+
+
+def test_an_unknown_order_is_refused():
+    with pytest.raises(ValueError, match="admission_order"):
+        Scheduler(BlockAllocator(4), 16, 4, 64, admission_order="random")
+
+
+def test_balanced_gives_the_slots_to_the_adapters_that_fill_the_batch(tiny_llama, adapters):
+    """Two slots, four sequences: A, C, then three for B. Arrival order would pin A and C and run two
+    sequences; balanced pins A and B and runs four."""
+    a, b, c = adapters
+    engine = balanced_engine(tiny_llama, adapters, max_loras=2, max_num_seqs=4)
+    for lora in (a, c, b, b, b):
+        engine.add_request("Hello", PARAMS, lora)
+    engine.step()
+    assert running_adapters(engine) == [a.lora_name, b.lora_name, b.lora_name, b.lora_name]
+    run_to_completion(engine)
+
+
+def test_balanced_admits_a_resident_adapters_sequence_before_a_new_adapter(tiny_llama, adapters):
+    """A runs in one of two slots with room for one more sequence; B arrived before A's second
+    sequence, but A's needs no new slot."""
+    a, b, _ = adapters
+    engine = balanced_engine(tiny_llama, adapters, max_loras=2, max_num_seqs=2)
+    engine.add_request("Hello", PARAMS, a)
+    engine.step()
+    engine.add_request("Hello", PARAMS, b)
+    engine.add_request("Hello", PARAMS, a)
+    engine.step()
+    assert running_adapters(engine) == [a.lora_name, a.lora_name]
+    run_to_completion(engine)
+
+
+def test_balanced_still_serves_a_starving_adapter(tiny_llama, adapters):
+    """One slot, a stream of requests for A (resident, so always first in the balanced order), one request
+    for B: the starvation guard still drains A's slot for B."""
+    a, b, _ = adapters
+    engine = balanced_engine(tiny_llama, adapters, max_loras=1)
+    engine.add_request("Hello", PARAMS, a)
+    starving = engine.add_request("Hello", PARAMS, b)
+    finished = set()
+    for step in range(400):
+        if step % 2 == 0:
+            engine.add_request("Hello", PARAMS, a)
+        finished.update(output.request_id for output in engine.step() if output.finished)
+        if starving in finished:
+            break
+    assert starving in finished
+    run_to_completion(engine)
