@@ -11,12 +11,12 @@ decode step left in flight, continued by `schedule_decode`, and drained by a ste
 
 What is not real: the manager's model is one 1×1 LoRA linear (slots and host rows hold nothing that
 matters), and its disk reads are futures that finish `--read-steps` steps after they were submitted
-(1: ready for the next step's admission). An adapter read takes about 80 ms on the H200 host, one prefill
-step 210 ms and ten decode steps; the default, 3, gives the H200 run's 5 idle steps at the start. The KV cache has the blocks the engine gives (d) on the
-H200 (128 sequences × 704 tokens), so nothing is preempted. GPU time is a cost model of the H200
-steps: 5.3 ms + 0.037 ms per decode row + 0.026 ms per prompt token (a fit of BENCHMARKS.md's decode
-steps at batch 16–128 with 64 adapters, and ~210 ms per 8192-token prefill step); a drain or idle step
-costs nothing.
+(1: ready for the next step's admission). An adapter read takes about 80 ms on the H200 host, one
+prefill step 210 ms and ten decode steps; the default, 3, gives the H200 run's 5 idle steps at the
+start. The KV cache has the blocks the engine gives (d) on the H200 (128 sequences × 704 tokens), so
+nothing is preempted. GPU time is a cost model of the H200 steps: 5.3 ms + 0.037 ms per decode row +
+0.026 ms per prompt token (a fit of BENCHMARKS.md's decode steps at batch 16–128 with 64 adapters, and
+~210 ms per 8192-token prefill step); a drain or idle step costs nothing.
 
 The counts are the serving benchmark's timeline counts: a step is decode-only when every running
 sequence had its prompt computed before it and the number waiting did not change; the mean batch is the
@@ -36,14 +36,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from adapters_registry import ModelInfo  # noqa: E402
-from engine.kv_cache import BlockAllocator  # noqa: E402
-from engine.lora_manager import LoRAManager  # noqa: E402
-from engine.lora_request import LoRARequest  # noqa: E402
-from engine.model import LoRALinear  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.scheduler import ADMISSION_ORDERS, ScheduledSequence, Scheduler  # noqa: E402
-from engine.sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus  # noqa: E402
+from adapters_registry import ModelInfo
+from engine.kv_cache import BlockAllocator
+from engine.lora_manager import LoRAManager
+from engine.lora_request import LoRARequest
+from engine.model import LoRALinear
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ADMISSION_ORDERS, ScheduledSequence, Scheduler
+from engine.sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 
 DECODE_BASE_MS, DECODE_ROW_MS, PREFILL_TOKEN_MS = 5.3, 0.037, 0.026
 MAX_MODEL_LEN = 512 + 128 + 64  # serving.py's max_model_len for (d)
@@ -299,7 +299,8 @@ def main() -> None:
         for order in args.admission_order:
             t = time.perf_counter()
             result = simulate(order, read_steps, not args.sync, Workload(seed=args.seed))
-            fields = ", ".join(f"{k}={round(v, 3) if isinstance(v, float) else v}" for k, v in asdict(result).items())
+            fields = ", ".join(f"{key}={round(value, 3) if isinstance(value, float) else value}"
+                               for key, value in asdict(result).items())
             print(f"read_steps={read_steps} {fields} ({time.perf_counter() - t:.1f}s)")
 
 

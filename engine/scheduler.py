@@ -6,6 +6,11 @@ waiting sequences are admitted in arrival order; one whose adapter cannot get a 
 so others can run. Once it has been skipped `max_skips` times, one resident adapter (the one with
 the fewest running sequences) gets no new sequences until the starving one takes its slot: that
 slot drains while the other adapters keep their traffic, and no request starves.
+
+`admission_order="balanced"` considers the waiting sequences adapter by adapter instead, picking the
+adapters that fill the slots and the batch together. On workload (d) simulated
+(`benchmarks/zipf_schedule.py`) it runs 795 steps instead of 915, but saves only 4.6% of the estimated GPU
+time (prefill is most of the rest), so arrival order stays the default.
 """
 from __future__ import annotations
 
@@ -16,7 +21,6 @@ from typing import Protocol
 from .kv_cache import BlockAllocator
 from .lora_request import LoRARequest
 from .sequence import Sequence, SequenceStatus
-
 
 ADMISSION_ORDERS = ("fcfs", "balanced")
 
