@@ -175,6 +175,8 @@ class Scheduler:
         slots = self.adapter_slots
         if slots is not None:
             slots.collect_reads()  # once per pass: a read landing mid-pass could be evicted before its turn
+        if budget == 0 or len(self.running) >= self.max_num_seqs:
+            return  # before ordering the waiting sequences for nothing
         read_errors: dict[int, BaseException] = {}
         for seq in self._in_admission_order():
             if budget == 0 or len(self.running) >= self.max_num_seqs:
