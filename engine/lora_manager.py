@@ -205,6 +205,10 @@ class LoRAManager:
             return True
         return self.takeable_slots() > 0
 
+    def takeable_slots(self) -> int:
+        """Slots a new adapter could go into now: empty, or holding one no running sequence uses."""
+        return sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+
     def is_resident(self, lora_request: LoRARequest) -> bool:
         """True when the adapter holds a slot: more sequences for it need no other."""
         return lora_request.lora_int_id in self.slot_owner
@@ -245,10 +249,6 @@ class LoRAManager:
         return sum(owner is not None for owner in self.slot_owner), self.num_slots
 
     # ---- internals ------------------------------------------------------------------------
-    def takeable_slots(self) -> int:
-        """Slots a new adapter could go into now: empty, or holding one no running sequence uses."""
-        return sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
-
     def _pick_slot(self) -> int:
         free = [s for s, owner in enumerate(self.slot_owner) if owner is None]
         if free:

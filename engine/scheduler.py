@@ -10,7 +10,7 @@ slot drains while the other adapters keep their traffic, and no request starves.
 `admission_order="balanced"` considers the waiting sequences adapter by adapter instead, picking the
 adapters that fill the slots and the batch together. On workload (d) simulated
 (`benchmarks/zipf_schedule.py`) it runs 795 steps instead of 915, but saves only 4.6% of the estimated GPU
-time (prefill is most of the rest), so arrival order stays the default.
+time (the prompt tokens and decode rows cost the same in any order), so arrival order stays the default.
 """
 from __future__ import annotations
 
