@@ -31,7 +31,7 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=("base", "lora"), default=["base", "lora"])
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
-    args.device, args.adapter_reader = "cuda", "threads"
+    args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(Path(args.work), args.shape)

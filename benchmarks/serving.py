@@ -431,7 +431,7 @@ def _reader_variant(text: str) -> tuple[int, float]:
 
 
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
-    settings = dict(adapter_reader=args.adapter_reader) | overrides
+    settings = dict(adapter_reader=args.adapter_reader, admission_order=args.admission_order) | overrides
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
@@ -477,6 +477,8 @@ def main() -> None:
                              "GIL switch interval)")
     parser.add_argument("--adapter-reader", choices=("auto", "threads", "process"), default="auto",
                         help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
+    parser.add_argument("--admission-order", choices=("fcfs", "balanced"), default="fcfs",
+                        help="the order the engines admit waiting requests in (EngineConfig.admission_order)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
     args = parser.parse_args()
     began = time.perf_counter()

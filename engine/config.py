@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .scheduler import ADMISSION_ORDERS
+
 
 @dataclass
 class EngineConfig:
@@ -35,6 +37,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1  # ranks (one process and one GPU each) the model is sharded over
     load_format: str = "auto"  # "dummy": random weights at the checkpoint's shapes (benchmarks)
     seed: int = 0
+    # the order waiting requests are admitted in: "fcfs", or "balanced" (adapter by adapter, giving each free
+    # adapter slot to the adapter that fills the batch best; see engine/scheduler.py)
+    admission_order: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -54,6 +59,8 @@ class EngineConfig:
             raise ValueError(f"adapter_reader must be 'auto', 'threads' or 'process', got {self.adapter_reader!r}")
         if self.adapter_reader == "process" and self.tensor_parallel_size > 1:
             raise ValueError("adapter_reader='process' does not work with tensor parallelism; use 'threads'")
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}; got {self.admission_order!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

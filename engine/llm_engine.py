@@ -120,7 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.allocator, self.block_size, config.max_num_seqs,
             config.max_num_batched_tokens or max(4096, min(self.max_model_len, 8192)),
-            adapter_slots=self.lora_manager,
+            adapter_slots=self.lora_manager, admission_order=config.admission_order,
         )
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)

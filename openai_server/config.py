@@ -50,6 +50,7 @@ class ServeConfig:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
     adapter_reader: str = "auto"
+    admission_order: str = "fcfs"
     allow_runtime_lora_updating: bool = False
     lora_allowed_dirs: list[str] = field(default_factory=list)
     allow_pickle_adapters: bool = False
@@ -127,6 +128,9 @@ OPTIONS: tuple[_Option, ...] = (
             "or threads (default auto: processes on a GPU, threads on the CPU, with tensor parallelism, or when "
             "/dev/shm has no room for the host copies).",
             choices=("auto", "process", "threads")),
+    _Option("admission_order", "Order waiting requests are admitted in: fcfs, or balanced (adapter by adapter, "
+            "each free adapter slot to the adapter that fills the batch best; default fcfs).",
+            choices=("fcfs", "balanced")),
     _Option("allow_runtime_lora_updating", "Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
             "bool", env=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),
     _Option("lora_allowed_dirs", "Directories runtime-loaded adapters must lie under (resolved; no `..` or "

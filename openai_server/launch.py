@@ -51,6 +51,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         max_lora_rank=config.max_lora_rank,
         max_cpu_loras=config.max_cpu_loras,
         adapter_reader=config.adapter_reader,
+        admission_order=config.admission_order,
         allow_pickle_adapters=config.allow_pickle_adapters,
         seed=config.seed,
     )

@@ -22,8 +22,8 @@ def adapters(tiny_llama, tmp_path_factory):
 def balanced_engine(tiny_llama, adapters, **overrides):
     """An engine admitting in the balanced order, every adapter already in its host cache (read now, so
     admission never waits for a background read)."""
-    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_cpu_loras=len(adapters), **overrides)
-    engine.scheduler.admission_order = "balanced"
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_cpu_loras=len(adapters),
+                         admission_order="balanced", **overrides)
     for lora in adapters:
         engine.lora_manager.add(lora)
     return engine
@@ -84,3 +84,15 @@ def test_balanced_still_serves_a_starving_adapter(tiny_llama, adapters):
             break
     assert starving in finished
     run_to_completion(engine)
+
+
+def test_the_engine_config_refuses_an_unknown_admission_order():
+    from engine import EngineConfig
+
+    with pytest.raises(ValueError, match="admission_order must be one of fcfs, balanced"):
+        EngineConfig(admission_order="lifo")
+
+
+def test_the_engine_schedules_in_the_configured_admission_order(tiny_llama):
+    engine = make_engine(tiny_llama, admission_order="balanced")
+    assert engine.scheduler.admission_order == "balanced"

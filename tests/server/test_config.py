@@ -151,6 +151,14 @@ def test_adapter_reader_reaches_the_engine_config(tmp_path):
     assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).adapter_reader == "auto"
 
 
+def test_admission_order_reaches_the_engine_config(tmp_path):
+    from openai_server.launch import engine_config
+
+    assert engine_config(serve_config_from_args(["m", "--admission-order", "balanced"], environ={},
+                                                cwd=tmp_path)).admission_order == "balanced"
+    assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).admission_order == "fcfs"
+
+
 def test_an_adapter_named_by_both_dialects_for_the_same_place_counts_once(workdir):
     same_place = f"pirate={workdir / 'adapters' / 'pirate'}"
     config = serve_config_from_args([], environ={"LORA_ADAPTERS": same_place}, cwd=workdir)
