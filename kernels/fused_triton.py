@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import slot_stacks
+from kernels.lora_triton import delta_rows, slot_stacks
 
 
 @dataclass(frozen=True)
@@ -70,14 +70,7 @@ def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
 @triton.jit
 def _plus_delta(y, b_ptr, cols, mask, h_row, R: tl.constexpr, BLOCK_R: tl.constexpr):
     """y + h_row . B[cols]^T, rounded once to y's dtype: B (one slot, rows of R values) at rows `cols`."""
-    acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
-        bv = tl.load(b_ptr + cols[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
-        acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
-    return (y.to(tl.float32) + acc).to(y.dtype)
+    return (y.to(tl.float32) + delta_rows(b_ptr, cols, mask, h_row, R, BLOCK_R)).to(y.dtype)
 
 
 @triton.jit
@@ -238,7 +231,8 @@ def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.const
 
 @triton.jit
 def _store_halves(base, x1, x2, mask, HALF: tl.constexpr):
-    """Store two halves at `base` and `base + HALF`, converted to the pointer's dtype (a cache's)."""
+    """Store two halves at `base` and `base + HALF`, converted to the pointer's dtype (a cache's; in place, the
+    tensor's own)."""
     tl.store(base, x1.to(base.dtype.element_ty), mask=mask)
     tl.store(base + HALF, x2.to(base.dtype.element_ty), mask=mask)
 
@@ -268,8 +262,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         x1, x2 = _load_halves_plus_delta(base, mask, bq_ptr + adapter.to(tl.int64) * sbq, head * (2 * HALF) + dims,
                                          h_row, adapter, R, HALF, BLOCK_R)
         y1, y2 = _rotated(x1, x2, cos, sin)
-        tl.store(base, y1, mask=mask)
-        tl.store(base + HALF, y2, mask=mask)
+        _store_halves(base, y1, y2, mask, HALF)
     elif j < q_programs + kv_programs:
         head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
         mask = (head < kv_heads) & in_half
@@ -277,8 +270,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         x1, x2 = _load_halves_plus_delta(base, mask, bk_ptr + adapter.to(tl.int64) * sbk, head * (2 * HALF) + dims,
                                          h_row + stride_hn, adapter, R, HALF, BLOCK_R)
         y1, y2 = _rotated(x1, x2, cos, sin)
-        tl.store(base, y1, mask=mask)
-        tl.store(base + HALF, y2, mask=mask)
+        _store_halves(base, y1, y2, mask, HALF)
         _store_halves(k_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, y1, y2, mask, HALF)
     else:
         head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
@@ -287,8 +279,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         x1, x2 = _load_halves_plus_delta(base, mask, bv_ptr + adapter.to(tl.int64) * sbv, head * (2 * HALF) + dims,
                                          h_row + 2 * stride_hn, adapter, R, HALF, BLOCK_R)
         if adapter >= 0:
-            tl.store(base, x1, mask=mask)
-            tl.store(base + HALF, x2, mask=mask)
+            _store_halves(base, x1, x2, mask, HALF)
         _store_halves(v_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, x1, x2, mask, HALF)
 
 

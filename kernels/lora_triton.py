@@ -160,6 +160,20 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB
 
 
 @triton.jit
+def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
+    """float32 h_row . B[rows]^T for one slot's B (rows of R values): the per-token expand's sum, which the
+    fused ops also add as they read a projection's output (`fused_triton`)."""
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
+        bv = tl.load(b_ptr + rows[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
+    return acc
+
+
+@triton.jit
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
@@ -177,13 +191,7 @@ def _expand_bgmv_kernel(
         offs_n = (chunk * N_BLOCKS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < width
         yv = tl.load(y_row + offs_n, mask=n_mask, other=0.0)  # issued before the B loads it waits on
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = offs_r < R
-            hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
-            bv = tl.load(b_ptr + offs_n[:, None] * R + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-            acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
+        acc = delta_rows(b_ptr, offs_n, n_mask, h_row, R, BLOCK_R)
         tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
