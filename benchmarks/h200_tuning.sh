@@ -1,28 +1,27 @@
 #!/usr/bin/env bash
-# One device call that measures tuning candidates (~9 minutes on an H200): the GPU tests of the kernels
-# touched, the fused ops with and without the LoRA expand folded in, decode steps with the fold off and on,
-# the decode-attention sweep, the greedy kernel's split counts, then the layer GEMMs under cuBLAS settings
-# in what is left of the time. Everything lands in $OUT (tuning.log and one JSON per benchmark).
+# One device call that measures tuning candidates (~9 minutes on an H200): the GPU tests of the kernels,
+# then the decode step (base and 64 adapters, batches 64 and 128) and the LoRA kernels' layer table at
+# rank 16 with programmatic dependent launch off and on (LORASERVE_PDL=0/1), then the decode layer's
+# GEMM chain (cuBLAS against the skinny Triton GEMM, without and with PDL) in what is left of the time.
+# Everything lands in $OUT (tuning.log and one JSON per benchmark and setting).
 #
 #     bash benchmarks/h200_tuning.sh            # through `device`: run(command="bash benchmarks/h200_tuning.sh")
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
-mkdir -p "$OUT/fold0" "$OUT/fold1"
+mkdir -p "$OUT/pdl0" "$OUT/pdl1"
 log="$OUT/tuning.log"
 began=$SECONDS
-timeout 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_greedy.py tests/kernels/test_fused_lora.py \
-    tests/kernels/test_paged_attention.py tests/engine/test_cuda.py -k "not embedded" 2>&1 | tail -3 | tee "$log"
-timeout 90 python3 benchmarks/fused_ops.py --tokens 64 128 --lora-only --out "$OUT" 2>&1 | tail -40 >> "$log"
-for fold in 0 1; do
-    LORASERVE_LORA_FOLD=$fold timeout 90 python3 benchmarks/decode_step.py --cases lora --batches 64 128 \
-        --out "$OUT/fold$fold" 2>&1 | grep -v "it/s\]" | tail -4 >> "$log"
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/engine/test_cuda.py -k "not embedded" \
+    2>&1 | tail -4 | tee "$log"
+for pdl in 0 1; do
+    LORASERVE_PDL=$pdl timeout 150 python3 benchmarks/decode_step.py --batches 64 128 --out "$OUT/pdl$pdl" 2>&1 \
+        | grep -v "it/s\]" | tail -4 | sed "s/^/pdl=$pdl /" >> "$log"
+    LORASERVE_PDL=$pdl timeout 70 python3 benchmarks/lora_kernels.py --ranks 16 --budget-s 25 --out "$OUT/pdl$pdl" 2>&1 \
+        | grep "^| r16\|^| 16 " | head -12 | sed "s/^/pdl=$pdl /" >> "$log"
 done
-timeout 100 python3 benchmarks/decode_attention.py --sweep --out "$OUT" 2>&1 | tail -25 >> "$log"
-timeout 50 python3 benchmarks/greedy_kernel.py --out "$OUT" 2>&1 | tail -12 >> "$log"
-left=$(( 570 - (SECONDS - began) ))
-if (( left > 40 )); then
-    timeout $left python3 benchmarks/gemm_settings.py --tokens 64 128 --budget-s $(( left - 25 )) --out "$OUT" 2>&1 \
-        | tail -25 >> "$log"
+left=$(( 580 - (SECONDS - began) ))
+if (( left > 40 )) && [ -f benchmarks/skinny_gemm.py ]; then
+    timeout $left python3 benchmarks/skinny_gemm.py --chain --budget-s $(( left - 20 )) --out "$OUT" 2>&1 | tail -25 >> "$log"
 fi
 tail -c 11000 "$log"
