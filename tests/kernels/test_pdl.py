@@ -60,9 +60,12 @@ def test_the_variable_is_read_once_per_device(monkeypatch):
     assert use_pdl(GPU) is False
 
 
-@pytest.mark.parametrize("capability,want", [((9, 0), True), ((8, 0), False)])
-def test_a_launch_passes_the_decision_to_the_kernel_and_to_triton(capability, want, monkeypatch):
-    from kernels.pdl_triton import pdl_launch
+@pytest.mark.parametrize("capability,interpreted,want", [((9, 0), False, True), ((8, 0), False, False),
+                                                        ((9, 0), True, False)],
+                         ids=["hopper", "ampere", "hopper-interpreted"])
+def test_a_launch_passes_the_decision_to_the_kernel_and_to_triton(capability, interpreted, want, monkeypatch):
+    from kernels import pdl_triton
 
     gpu_capability(monkeypatch, capability)
-    assert pdl_launch(GPU) == {"USE_PDL": want, "launch_pdl": want}
+    monkeypatch.setattr(pdl_triton, "_INTERPRETED", interpreted)
+    assert pdl_triton.pdl_launch(GPU) == {"USE_PDL": want, "launch_pdl": want}
