@@ -10,14 +10,15 @@ greedy choice with and without its combine launch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
 import kernels
-from kernels import LoRADelta, LoRAMetadata, fused
+from kernels import LoRADelta, LoRAMetadata, fused, lora_tuning
 from kernels.device import PDL_ENV, use_pdl
+from kernels.pdl_triton import pdl_launch
 from tests.kernels.lora_cases import NUM_SLOTS, packed_weights
 
 pytestmark = [
@@ -142,13 +143,21 @@ def assert_same_bits(with_pdl: dict[str, torch.Tensor], without: dict[str, torch
     assert not different, f"with PDL these differ: {different}"
 
 
+@pytest.fixture(autouse=True)
+def shrinks_in_one_split(monkeypatch):
+    """Split-K shrinks add their partials with atomics, in an order no run repeats: with one split every run of
+    the chain computes the same bits, with PDL or without."""
+    shrink_config = lora_tuning.shrink_config
+    monkeypatch.setattr(lora_tuning, "shrink_config", lambda *key: replace(shrink_config(*key), split_k=1))
+
+
 @pytest.fixture
 def set_pdl(monkeypatch):
     """set_pdl(on): launch the kernels with PDL or without from here on."""
     def switch(on: bool) -> None:
         monkeypatch.setenv(PDL_ENV, "1" if on else "0")
         use_pdl.cache_clear()
-        assert use_pdl(torch.device("cuda", torch.cuda.current_device())) is on
+        assert pdl_launch(torch.device("cuda", torch.cuda.current_device()))["launch_pdl"] is on
 
     yield switch
     use_pdl.cache_clear()
