@@ -19,6 +19,7 @@ import triton.language as tl
 
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_rows, slot_stacks
+from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
 @dataclass(frozen=True)
@@ -112,15 +113,18 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
                          stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_hn,
                          stride_ht,
                          HAS_RESIDUAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_R: tl.constexpr):
+                         BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if HAS_LORA:
+        wait_for_predecessor(USE_PDL)
         _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                                stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R, stride_bs, stride_ht,
                                HAS_RESIDUAL, BLOCK, BLOCK_R)
     else:
         cols = tl.arange(0, BLOCK)
         mask = cols < n
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: read while the predecessor finishes
+        wait_for_predecessor(USE_PDL)
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
@@ -129,7 +133,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
         h = x.to(tl.float32)
         variance = tl.sum(h * h, axis=0) / n
         normed = (h * tl.rsqrt(variance + eps)).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype),
                  mask=mask)
 
@@ -151,7 +154,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x, residual if residual is not None else x, weight, out, hidden, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), hidden.stride(0), n, eps,
         *_lora_args(lora, 1, x), HAS_RESIDUAL=residual is not None, HAS_LORA=lora is not None, BLOCK=block,
-        BLOCK_R=_block_r(lora, config), num_warps=num_warps,
+        BLOCK_R=_block_r(lora, config), num_warps=num_warps, **pdl_launch(x.device),
     )
     return out, hidden
 
@@ -159,8 +162,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, adapters_ptr,
                          R: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn, stride_ht, HAS_LORA: tl.constexpr,
-                         BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr):
+                         BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_for_predecessor(USE_PDL)
     if HAS_LORA:
         adapter = tl.load(adapters_ptr + row)
         b_gate_ptr = b_gate_ptr + adapter.to(tl.int64) * stride_bs_gate
@@ -197,6 +201,7 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *,
     _silu_and_mul_kernel[(rows, triton.cdiv(n, block * chunks))](
         gate_up, out, gate_up.stride(0), out.stride(0), n, *_lora_args(lora, 2, gate_up),
         HAS_LORA=lora is not None, BLOCK=block, CHUNKS=chunks, BLOCK_R=_block_r(lora, config), num_warps=num_warps,
+        **pdl_launch(gate_up.device),
     )
     return out
 
@@ -289,8 +294,10 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
                                 stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
                                 adapters_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht, HALF: tl.constexpr,
                                 HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                                HAS_LORA: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr):
+                                HAS_LORA: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr,
+                                USE_PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
+    wait_for_predecessor(USE_PDL)  # positions and cache slots may be written on the device
     pos = tl.load(pos_ptr + token).to(tl.int64)
     if HAS_LORA:
         slot = tl.load(slots_ptr + token).to(tl.int64)
@@ -348,5 +355,5 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
         *_lora_args(lora, 3, q), HALF=dim // 2, HALF_PAD=triton.next_power_of_2(dim // 2),
         HEADS_PAD=triton.next_power_of_2(heads), KV_HEADS_PAD=triton.next_power_of_2(kv_heads),
         HAS_LORA=lora is not None, HEADS_PER_PROGRAM=heads_per_program, BLOCK_R=_block_r(lora, config),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_launch(q.device),
     )

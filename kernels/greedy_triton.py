@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from kernels.device import multiprocessor_count
+from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 BLOCK = 4096
 NUM_WARPS = 8
@@ -63,8 +64,10 @@ def _scan(base, start, end, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _greedy_kernel(logits_ptr, stride_row, num_cols, token_ptr, logprob_ptr, BLOCK: tl.constexpr):
+def _greedy_kernel(logits_ptr, stride_row, num_cols, token_ptr, logprob_ptr, BLOCK: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    wait_for_predecessor(USE_PDL)
     best, index, total = _scan(logits_ptr + row * stride_row, 0, num_cols, BLOCK)
     tl.store(token_ptr + row, index.to(tl.int64))
     tl.store(logprob_ptr + row, best - _finite_or_zero(best) - tl.log(total))  # best - logsumexp(row)
@@ -72,10 +75,11 @@ def _greedy_kernel(logits_ptr, stride_row, num_cols, token_ptr, logprob_ptr, BLO
 
 @triton.jit
 def _greedy_split_kernel(logits_ptr, stride_row, num_cols, split_cols, best_ptr, index_ptr, total_ptr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     start = split * split_cols
+    wait_for_predecessor(USE_PDL)
     best, index, total = _scan(logits_ptr + row * stride_row, start, tl.minimum(start + split_cols, num_cols), BLOCK)
     part = row * tl.num_programs(1) + split
     tl.store(best_ptr + part, best)
@@ -86,11 +90,12 @@ def _greedy_split_kernel(logits_ptr, stride_row, num_cols, split_cols, best_ptr,
 # The split count follows the batch size; specializing on it would compile a variant per value class.
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(best_ptr, index_ptr, total_ptr, num_splits, num_cols, token_ptr, logprob_ptr,
-                    SPLITS: tl.constexpr):
+                    SPLITS: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, SPLITS)
     used = lanes < num_splits
     parts = row * num_splits + lanes
+    wait_for_predecessor(USE_PDL)
     best = tl.load(best_ptr + parts, mask=used, other=-float("inf"))
     index = tl.load(index_ptr + parts, mask=used, other=0)
     total = tl.load(total_ptr + parts, mask=used, other=0.0)
@@ -141,15 +146,16 @@ def greedy(logits: torch.Tensor, num_cols: int, splits: int | None = None) -> tu
     if splits is None:
         splits = default_splits(rows, num_cols, multiprocessor_count(logits.device))
     split_cols, splits = split_layout(num_cols, splits)
+    pdl = pdl_launch(logits.device)
     if splits == 1:
         _greedy_kernel[(rows,)](logits, logits.stride(0), num_cols, token_ids, logprobs, BLOCK=BLOCK,
-                                num_warps=NUM_WARPS)
+                                num_warps=NUM_WARPS, **pdl)
         return token_ids, logprobs
     best = torch.empty(rows, splits, dtype=torch.float32, device=logits.device)
     index = torch.empty(rows, splits, dtype=torch.long, device=logits.device)
     total = torch.empty_like(best)
     _greedy_split_kernel[(rows, splits)](logits, logits.stride(0), num_cols, split_cols, best, index, total,
-                                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+                                         BLOCK=BLOCK, num_warps=NUM_WARPS, **pdl)
     _combine_kernel[(rows,)](best, index, total, splits, num_cols, token_ids, logprobs, SPLITS=MAX_SPLITS,
-                             num_warps=1)
+                             num_warps=1, **pdl)
     return token_ids, logprobs

@@ -20,6 +20,7 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.lora_metadata import LoRAMetadata
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig
+from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
 
@@ -29,12 +30,14 @@ def _shrink_bgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
     sl = pid_s // SPLIT_K
     ks = pid_s % SPLIT_K
+    wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
@@ -83,11 +86,12 @@ def _shrink_sgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     pid_r = tl.program_id(1)
     ks = tl.program_id(2)
+    wait_for_predecessor(USE_PDL)
     slot = tl.load(tile_slot_ptr + tile)
     start = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
@@ -177,10 +181,11 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
     j = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
@@ -200,10 +205,11 @@ def _expand_sgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tile = tl.program_id(0)
     j = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)
     slot = tl.load(tile_slot_ptr + tile)
     if slot < 0:
         return
@@ -300,7 +306,7 @@ def shrink_slices(
         out.zero_()
     a0, a1, a2 = _padded(a_slices)
     common = (k, rank, x.stride(0), a0.stride(0), out.stride(0), out.stride(1), k_per_split)
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(x.device))
     if path == "bgmv":
         grid = (num_tokens, triton.cdiv(rank, block_r), n * cfg.split_k)
         _shrink_bgmv_kernel[grid](
@@ -344,7 +350,7 @@ def expand_slices(
     b0, b1, b2 = _padded(b_slices)
     slot_strides = [b.stride(0) for b in b_slices] + [0] * (MAX_SLICES - len(b_slices))
     common = (rank, *widths, blocks[0], blocks[0] + blocks[1], *slot_strides, h.stride(0), h.stride(1), y.stride(0))
-    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(y.device))
     if path == "bgmv":
         _expand_bgmv_kernel[(num_tokens, sum(blocks))](
             h, b0, b1, b2, meta.slots, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,

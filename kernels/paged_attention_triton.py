@@ -25,6 +25,7 @@ import triton.language as tl
 
 from kernels.device import multiprocessor_count
 from kernels.online_softmax_triton import LOG2_E, fold_tile
+from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 # Split until about this many programs per multiprocessor (each class's DecodeConfig carries its own; this is
 # the default). Measured on the H200 (132 of them) with benchmarks/decode_attention.py: batch x KV heads >= 512
@@ -87,10 +88,12 @@ def decode_config(dtype: torch.dtype, batch: int, kv_heads: int) -> DecodeConfig
 def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_ptr, acc_ptr, qk_scale,
                    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ob, stride_oh,
                    num_heads, num_splits, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, SPLIT: tl.constexpr, IEEE: tl.constexpr,
+                   USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    wait_for_predecessor(USE_PDL)  # the predecessor writes this step's K and V into the cache
     length = tl.load(lens_ptr + seq).to(tl.int32)
     tiles_per_split = tl.cdiv(tl.cdiv(length, TOKENS), num_splits)
     start = split * tiles_per_split * TOKENS
@@ -130,9 +133,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, m_ptr, l_
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(m_ptr, l_ptr, acc_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, num_heads, num_splits,
-                    HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, SPLITS_PAD: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, TOKENS: tl.constexpr, SPLITS_PAD: tl.constexpr, USE_PDL: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    wait_for_predecessor(USE_PDL)
     length = tl.load(lens_ptr + seq).to(tl.int32)
     if length <= 0:
         return
@@ -193,12 +197,12 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables.stride(0), out.stride(0), out.stride(1), heads, num_splits,
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size, TOKENS=tokens, SPLIT=num_splits > 1, IEEE=q.dtype == torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **pdl_launch(q.device),
     )
     if num_splits > 1:
         _combine_kernel[(batch, heads)](
             m, l, acc, context_lens, out, out.stride(0), out.stride(1), heads, num_splits,
             HEAD_DIM=head_dim, TOKENS=tokens, SPLITS_PAD=MAX_SPLITS,  # one variant for every split count
-            num_warps=4,
+            num_warps=4, **pdl_launch(q.device),
         )
     return out
