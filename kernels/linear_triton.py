@@ -297,12 +297,11 @@ def skinny_linear(
     pdl = use_pdl and not _INTERPRETED
     line_elems = min(block_k, L2_LINE_BYTES // weight.element_size())
     grid = (triton.cdiv(n, block_n), split_k, triton.cdiv(m, block_m))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, SWAP_AB=cfg.swap_ab,
-                DOT_F32=x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16),
-                LINES=block_k // line_elems, LINE_ELEMS=line_elems, PREFETCH=min(cfg.prefetch, blocks_per_split) if pdl else 0,
-                USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if pdl:
-        meta["launch_pdl"] = True
+    meta = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split_k, "SWAP_AB": cfg.swap_ab,
+            "DOT_F32": x.dtype == torch.float32 or (_INTERPRETED and x.dtype == torch.bfloat16),
+            "LINES": block_k // line_elems, "LINE_ELEMS": line_elems,
+            "PREFETCH": min(cfg.prefetch, blocks_per_split) if pdl else 0, "USE_PDL": pdl,
+            "num_warps": cfg.num_warps, "num_stages": cfg.num_stages} | ({"launch_pdl": True} if pdl else {})
     if cfg.tma and _tma_ready(x) and _tma_ready(weight):
         x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
         w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k])
