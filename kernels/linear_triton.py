@@ -13,8 +13,9 @@ With `use_pdl` (programmatic dependent launch, Hopper and later) the kernel may 
 before it in the stream is still running. W is never written during a step, so each program first
 asks L2 for its first `config.prefetch` K blocks of W (the pointer math and the prefetches need nothing
 the previous kernel writes), then waits for that kernel (`gdc_wait`), and only then reads x and runs the
-pipelined K loop, whose first W loads find their lines in L2 or on the way. After the K loop, before its
-stores and the split-K reduction, it lets the next kernel launch (`gdc_launch_dependents`). Every program
+pipelined K loop, whose first W loads find their lines in L2 or on the way (a prefetch, not a load into
+registers: the software-pipelined loop stays as it is and holds no tile across the wait). After the K loop,
+before its stores and the split-K reduction, it lets the next kernel launch (`gdc_launch_dependents`). Every program
 waits before its first read of x and its first write, so nothing is read early or overwritten while the
 previous kernel still uses it. Under the Triton interpreter (no inline asm) `use_pdl` is ignored.
 """

@@ -3,11 +3,13 @@ CUDA graph, and graph replays reduce split K every time.
 
 The PDL chain is two linears launched with PDL: the first lets the second launch once its K loop is done,
 before it stores y (or reduces its splits), so a second linear reading x before its wait would see the
-previous values. Without splits the results are the same bits with and without PDL; with splits the
+NaN its x was filled with. Without splits the results are the same bits with and without PDL; with splits the
 order of the reduction depends on which split arrives last, so they are compared with the float64 oracle.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -100,7 +102,7 @@ def test_graph_replays_reduce_split_k_every_time(tma):
     x, w = rand(m, k), rand(n, k)
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     ws = LinearWorkspace.create(m, n, SMALL.split_k, "cuda")
-    config = LinearConfig(**{**SMALL.__dict__, "tma": tma})
+    config = replace(SMALL, tma=tma)
     skinny_linear(x, w, out=out, config=config, workspace=ws)  # compiled outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
