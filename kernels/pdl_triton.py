@@ -32,8 +32,8 @@ def wait_for_predecessor(USE_PDL: tl.constexpr):
 _INTERPRETED = not isinstance(wait_for_predecessor, triton.runtime.JITFunction)
 
 
-def pdl_launch(device: torch.device) -> dict[str, bool]:
+def pdl_launch(device: torch.device, wanted: bool = True) -> dict[str, bool]:
     """The keyword arguments of a launch on `device`: the kernel's USE_PDL and Triton's `launch_pdl` option,
-    both `use_pdl(device)` unless the kernels are interpreted."""
-    flag = use_pdl(device) and not _INTERPRETED
+    both `use_pdl(device)` unless the kernels are interpreted or the caller does not want PDL for this launch."""
+    flag = wanted and use_pdl(device) and not _INTERPRETED
     return {"USE_PDL": flag, "launch_pdl": flag}
