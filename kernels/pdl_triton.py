@@ -11,8 +11,8 @@ Only then does it let its own successor start, so a chain never runs two kernels
 Adapter weights (never written during a step) sit behind a slot index that is device data, so a kernel could
 only start its weight stream after the wait. Under PDL the per-token LoRA kernels therefore read their slot
 early as a hint (`slot_hint`) and ask L2 for the weight lines it names (`prefetch_l2`, `prefetch_l2_span`)
-before they wait: a prefetch changes no result, whatever its address, so a stale hint costs only bandwidth.
-The real slot is read again after the wait.
+before they wait: a prefetch changes no result, so a stale hint (an earlier step's slot) costs only bandwidth.
+The real slot is read again after the wait, and only it chooses what the kernel loads.
 """
 from __future__ import annotations
 
