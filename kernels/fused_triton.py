@@ -7,8 +7,7 @@ With a `LoRADelta` each op also applies the LoRA expand of the projection it con
 program reads the h row and the B[slot] rows of the columns it produces and adds the delta, rounded
 once, before the op's own math (tokens of slot -1 read no B). The B tiles are [columns, rank block],
 so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a delta (`HAS_LORA`
-false) each kernel compiles to the code it had before. Under PDL a LoRA variant asks L2 for those B rows
-before it waits for its predecessor, at the slot its token had when it started (`pdl_triton.slot_hint`).
+false) each kernel compiles to the code it had before.
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ import triton.language as tl
 
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_rows, slot_stacks
-from kernels.pdl_triton import pdl_launch, prefetch_l2_span, slot_hint, wait_for_predecessor
+from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
 @dataclass(frozen=True)
@@ -67,13 +66,6 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
 
 def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
     return 1 if lora is None else min(config.block_r, triton.next_power_of_2(lora.rank))
-
-
-@triton.jit
-def _prefetch_b_rows(b_ptr, adapter, stride_bs, first, last, R: tl.constexpr, LINES: tl.constexpr,
-                     USE_PDL: tl.constexpr):
-    """Under PDL: prefetch into L2 rows [first, last) of B[adapter] (rows of R values), LINES lines a step."""
-    prefetch_l2_span(b_ptr + adapter.to(tl.int64) * stride_bs, first * R, last * R, LINES, USE_PDL)
 
 
 @triton.jit
@@ -124,10 +116,6 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
                          BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if HAS_LORA:
-        if USE_PDL:
-            hint = slot_hint(adapters_ptr + row)
-            if hint >= 0:  # all n rows of B: 1024 lines at 4096 columns of rank 16 in bf16
-                _prefetch_b_rows(b_ptr, hint, stride_bs, 0, n, R, 1024, USE_PDL)
         wait_for_predecessor(USE_PDL)
         _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                                stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R, stride_bs, stride_ht,
@@ -176,13 +164,6 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
                          R: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn, stride_ht, HAS_LORA: tl.constexpr,
                          BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    if HAS_LORA and USE_PDL:
-        hint = slot_hint(adapters_ptr + row)
-        if hint >= 0:  # the gate and up B rows of this program's columns
-            first = tl.program_id(1) * CHUNKS * BLOCK
-            last = tl.minimum(first + CHUNKS * BLOCK, n)
-            _prefetch_b_rows(b_gate_ptr, hint, stride_bs_gate, first, last, R, 128, USE_PDL)
-            _prefetch_b_rows(b_up_ptr, hint, stride_bs_up, first, last, R, 128, USE_PDL)
     wait_for_predecessor(USE_PDL)
     if HAS_LORA:
         adapter = tl.load(adapters_ptr + row)
@@ -262,23 +243,6 @@ def _store_halves(base, x1, x2, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_rotary_b(j, adapter, heads, kv_heads, bq_ptr, bk_ptr, bv_ptr, sbq, sbk, sbv, R: tl.constexpr,
-                       HALF: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, USE_PDL: tl.constexpr):
-    """Under PDL: prefetch into L2 the B rows program j of a token reads, as `_rotary_lora_program` splits the
-    programs: 2 * HALF rows for each head of its chunk of q, k or v heads."""
-    q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
-    kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
-    if j < q_programs:
-        b_ptr, stride_bs, first, count = bq_ptr, sbq, j * HEADS_PER_PROGRAM, heads
-    elif j < q_programs + kv_programs:
-        b_ptr, stride_bs, first, count = bk_ptr, sbk, (j - q_programs) * HEADS_PER_PROGRAM, kv_heads
-    else:
-        b_ptr, stride_bs, first, count = bv_ptr, sbv, (j - q_programs - kv_programs) * HEADS_PER_PROGRAM, kv_heads
-    last = tl.minimum(first + HEADS_PER_PROGRAM, count)
-    _prefetch_b_rows(b_ptr, adapter, stride_bs, first * (2 * HALF), last * (2 * HALF), R, 128, USE_PDL)
-
-
-@triton.jit
 def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                          stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
@@ -333,11 +297,6 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
                                 HAS_LORA: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr,
                                 USE_PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
-    if HAS_LORA and USE_PDL:
-        hint = slot_hint(adapters_ptr + token)
-        if hint >= 0:
-            _prefetch_rotary_b(tl.program_id(1), hint, heads, kv_heads, bq_ptr, bk_ptr, bv_ptr, sbq, sbk, sbv, R, HALF,
-                               HEADS_PER_PROGRAM, USE_PDL)
     wait_for_predecessor(USE_PDL)  # positions and cache slots may be written on the device
     pos = tl.load(pos_ptr + token).to(tl.int64)
     if HAS_LORA:

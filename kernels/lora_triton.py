@@ -20,21 +20,9 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.lora_metadata import LoRAMetadata
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig
-from kernels.pdl_triton import pdl_launch, prefetch_l2_span, slot_hint, wait_for_predecessor
+from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
-
-
-@triton.jit
-def _slice_ptr(sl, p0, p1, p2):
-    """The weight stack of slice `sl`."""
-    if sl == 0:
-        p = p0
-    elif sl == 1:
-        p = p1
-    else:
-        p = p2
-    return p
 
 
 @triton.jit
@@ -49,13 +37,6 @@ def _shrink_bgmv_kernel(
     pid_s = tl.program_id(2)
     sl = pid_s // SPLIT_K
     ks = pid_s % SPLIT_K
-    k_lo = ks * k_per_split
-    if USE_PDL:
-        hint = slot_hint(slots_ptr + tok)
-        if hint >= 0:  # this program's A rows, columns [k_lo, k_lo + k_per_split), into L2 before the wait
-            a_hint = _slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + hint.to(tl.int64) * stride_as
-            for r in range(pid_r * BLOCK_R, tl.minimum(pid_r * BLOCK_R + BLOCK_R, R)):
-                prefetch_l2_span(a_hint + r * K, k_lo, tl.minimum(k_lo + k_per_split, K), 64, USE_PDL)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -65,8 +46,15 @@ def _shrink_bgmv_kernel(
         if SPLIT_K == 1:
             tl.store(h_ptrs, tl.zeros([BLOCK_R], dtype=tl.float32), mask=r_mask)
         return
-    a_rows = _slice_ptr(sl, a0_ptr, a1_ptr, a2_ptr) + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
+    if sl == 0:
+        a_ptr = a0_ptr
+    elif sl == 1:
+        a_ptr = a1_ptr
+    else:
+        a_ptr = a2_ptr
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
     x_row = x_ptr + tok.to(tl.int64) * stride_xt
+    k_lo = ks * k_per_split
     hv = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -165,8 +153,14 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB
     chunk = j - in1 * NB0 - in2 * (NB01 - NB0)
     width = N0 + in1 * (N1 - N0) + in2 * (N2 - N1)
     col = in1 * N0 + in2 * N1
+    if sl == 0:
+        b_ptr = b0_ptr
+    elif sl == 1:
+        b_ptr = b1_ptr
+    else:
+        b_ptr = b2_ptr
     slot_stride = SB0 + in1 * (SB1 - SB0) + in2 * (SB2 - SB1)
-    return sl, chunk, width, col, _slice_ptr(sl, b0_ptr, b1_ptr, b2_ptr) + slot.to(tl.int64) * slot_stride
+    return sl, chunk, width, col, b_ptr + slot.to(tl.int64) * slot_stride
 
 
 @triton.jit
@@ -191,13 +185,6 @@ def _expand_bgmv_kernel(
 ):
     tok = tl.program_id(0)
     j = tl.program_id(1)
-    if USE_PDL:
-        hint = slot_hint(slots_ptr + tok)
-        if hint >= 0:  # this program's B rows (all slices' rows are R values) into L2 before the wait
-            _, chunk, width, _, b_hint = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1,
-                                                       SB2, hint)
-            n_lo = chunk * N_BLOCKS * BLOCK_N
-            prefetch_l2_span(b_hint, n_lo * R, tl.minimum(n_lo + N_BLOCKS * BLOCK_N, width) * R, 64, USE_PDL)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
     if slot < 0:

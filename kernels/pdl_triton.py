@@ -7,12 +7,6 @@ reads anything a kernel of the step may have written (activations, device metada
 anything; every program calls it, before any early exit, so a kernel never completes before its predecessor.
 Only then does it let its own successor start, so a chain never runs two kernels ahead.
 `USE_PDL` is False off CUDA and under the interpreter, which has no grid dependency control.
-
-Adapter weights (never written during a step) sit behind a slot index that is device data, so a kernel could
-only start its weight stream after the wait. Under PDL the per-token LoRA kernels therefore read their slot
-early as a hint (`slot_hint`) and ask L2 for the weight lines it names (`prefetch_l2`, `prefetch_l2_span`)
-before they wait: a prefetch changes no result, so a stale hint (an earlier step's slot) costs only bandwidth.
-The real slot is read again after the wait, and only it chooses what the kernel loads.
 """
 from __future__ import annotations
 
@@ -31,33 +25,6 @@ def wait_for_predecessor(USE_PDL: tl.constexpr):
     if USE_PDL:
         gdc_wait()
         gdc_launch_dependents()
-
-
-@triton.jit
-def slot_hint(ptr):
-    """A read, before the wait, of a slot a predecessor may be writing: it races with that write, so its value
-    (this step's slot or an earlier step's; slot buffers start zeroed and hold only slots) serves nothing but
-    prefetch addresses. `.cg` keeps the line out of L1, where the read after the wait could find it stale."""
-    return tl.load(ptr, cache_modifier=".cg")
-
-
-@triton.jit
-def prefetch_l2(ptrs, USE_PDL: tl.constexpr):
-    """Under PDL: ask L2 for the 128-byte line of each address in `ptrs` (a prefetch, not a load: nothing is
-    held in registers across the wait). Nothing without it; the interpreter has no inline asm."""
-    if USE_PDL:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_l2_span(ptr, lo, hi, LINES: tl.constexpr, USE_PDL: tl.constexpr):
-    """Under PDL: prefetch the elements [lo, hi) of `ptr` into L2, one address per 128-byte line, LINES lines a
-    step."""
-    if USE_PDL:
-        line: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
-        for start in range(lo, hi, LINES * line):
-            prefetch_l2(ptr + tl.minimum(start + tl.arange(0, LINES) * line, hi - 1), USE_PDL)
 
 
 # Under TRITON_INTERPRET=1 (at import) the kernels are interpreted, even with CUDA tensors, and the interpreter

@@ -7,22 +7,13 @@ from new activations and adapter slots and from the same KV cache contents: a st
 difference. The chain covers each kernel family: the LoRA shrink and expand (per-token and segmented),
 the fused ops with and without a folded LoRA delta, split and single-pass decode attention, and the
 greedy choice with and without its combine launch.
-
-The per-token LoRA kernels also read their adapter slot before the wait, as a hint for an L2 prefetch of the
-adapter's weights; a predecessor that writes the slots long after they started shows that they compute with
-the slots it wrote, not with the hint.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
-import triton
-import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
-from triton.language.extra.cuda.utils import globaltimer
 
 import kernels
 from kernels import LoRADelta, LoRAMetadata, fused, lora_tuning
@@ -212,84 +203,3 @@ def test_graph_replay_computes_the_same_bits_with_pdl(tokens, fold, splits, set_
             graph.replay()
             runs[on] = snapshot(outputs)
         assert_same_bits(runs[True], runs[False])
-
-
-
-@triton.jit
-def _copy_late(src_ptr, dst_ptr, n, DELAY_NS: tl.constexpr, BLOCK: tl.constexpr):
-    """Let the next kernel launch at once, then copy src into dst DELAY_NS later: a successor launched with PDL
-    reads dst before its wait while dst still holds the old values."""
-    gdc_launch_dependents()
-    start = globaltimer()
-    while globaltimer() - start < DELAY_NS:
-        pass
-    offs = tl.arange(0, BLOCK)
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-Launch = Callable[[], tuple[torch.Tensor, ...]]
-
-
-def per_token_lora_ops(layer: Layer) -> dict[str, Callable[[], Launch]]:
-    """Name -> a function that makes fresh inputs for one per-token LoRA kernel and returns that kernel's launch
-    alone (its outputs), which reads the slots in `layer.meta`."""
-    tokens, meta = layer.x.shape[0], layer.meta
-    qkv = torch.randn(tokens, HIDDEN + 2 * KV, device="cuda", dtype=DTYPE)
-    gate_up = torch.randn(tokens, 2 * INTER, device="cuda", dtype=DTYPE)
-    deltas = {name: LoRADelta(torch.randn(len(b), tokens, RANK, device="cuda"), tuple(b), meta)
-              for name, b in layer.b.items()}
-
-    def shrink() -> Launch:
-        return lambda: (kernels.lora_shrink_slices(layer.x, layer.a["qkv"], meta),)
-
-    def expand() -> Launch:
-        y = qkv.clone()
-
-        def launch() -> tuple[torch.Tensor, ...]:
-            deltas["qkv"].apply(y)
-            return (y,)
-        return launch
-
-    def add_rms_norm() -> Launch:
-        return lambda: fused.add_rms_norm(layer.x, layer.residual, layer.weights["norm"], EPS, lora=deltas["o"])
-
-    def silu_and_mul() -> Launch:
-        return lambda: (fused.silu_and_mul(gate_up, lora=deltas["gate_up"]),)
-
-    def rotary_and_write_kv() -> Launch:
-        out = qkv.clone()
-        layer.reset_cache()
-        q, k, v = (t.view(tokens, -1, DIM) for t in out.split([HIDDEN, KV, KV], dim=1))
-
-        def launch() -> tuple[torch.Tensor, ...]:
-            fused.rotary_and_write_kv(q, k, v, layer.cos, layer.sin, layer.positions, layer.k_cache,
-                                      layer.v_cache, layer.slot_mapping, lora=deltas["qkv"])
-            return out, layer.k_cache, layer.v_cache
-        return launch
-
-    return {"shrink": shrink, "expand": expand, "add_rms_norm": add_rms_norm, "silu_and_mul": silu_and_mul,
-            "rotary_and_write_kv": rotary_and_write_kv}
-
-
-def outputs(launch: Launch) -> dict[str, torch.Tensor]:
-    return snapshot({str(i): t for i, t in enumerate(launch())})
-
-
-@pytest.mark.parametrize("op", ["shrink", "expand", "add_rms_norm", "silu_and_mul", "rotary_and_write_kv"])
-def test_per_token_lora_kernels_compute_with_the_slots_their_predecessor_writes_late(op, set_pdl):
-    torch.manual_seed(0)
-    tokens = 64
-    assert lora_tuning.choose_path(tokens) == "bgmv"
-    layer = make_layer(tokens)
-    layer.new_inputs()
-    old = torch.randint(-1, NUM_SLOTS, (tokens,), device="cuda", dtype=torch.int32)
-    new = torch.where(old < 0, torch.randint_like(old, 0, NUM_SLOTS),
-                      torch.where(old % 2 == 0, -1, NUM_SLOTS - 1 - old)).int()  # every token's slot changes
-    set_pdl(True)
-    make_launch = per_token_lora_ops(layer)[op]
-    kernels.prepare_lora_metadata(new, NUM_SLOTS, out=layer.meta)
-    expected = outputs(make_launch())
-    launch = make_launch()
-    layer.meta.slots[:tokens].copy_(old)
-    _copy_late[(1,)](new, layer.meta.slots, tokens, DELAY_NS=100_000, BLOCK=triton.next_power_of_2(tokens))
-    assert_same_bits(outputs(launch), expected)
