@@ -342,12 +342,14 @@ class LLMEngine:
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be launched before its tokens are read: it decodes
-        every running sequence and none can be admitted next (nothing waits, or the batch is full and
-        stays full), so the next step may be a decode of the same sequences (scheduler.schedule_decode);
+        every running sequence and none can be admitted next (nothing waits; or the batch is full, or no
+        waiting sequence can get an adapter slot, and no running sequence can end), so the next step may
+        be a decode of the same sequences (scheduler.schedule_decode);
         on the fast path, with plain greedy tokens (they stay plain greedy: the sequences only grow)."""
         scheduler = self.scheduler
         return (self.async_scheduling and len(scheduled) == len(scheduler.running)
-                and (not scheduler.waiting or len(scheduled) >= scheduler.max_num_seqs
+                and (not scheduler.waiting
+                     or (len(scheduled) >= scheduler.max_num_seqs or scheduler.admission_blocked())
                      and self._batch_stays_full(unplaced=1))
                 and (self.runner.replays_graph(len(scheduled)) or self.runner.graphs is None)
                 and all(item.num_new_tokens == 1 and item.samples and is_plain_greedy(
@@ -366,6 +368,8 @@ class LLMEngine:
             plan = self.scheduler.schedule_decode()
         if plan is None:  # not a decode of the same sequences: drain, and schedule afresh next step
             return self.drain()
+        for seq, error in plan.failed:
+            self._fail(seq.request, error)
         previous, self._in_flight = self._in_flight, None
         return self._launch_in_flight(plan.scheduled, previous)
 

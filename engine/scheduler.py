@@ -139,7 +139,7 @@ class Scheduler:
 
     def schedule_decode(self) -> SchedulerOutput | None:
         """Every running sequence one token on, when that is exactly what schedule() would do: none can
-        be admitted (nothing waits, or the batch is full), every running sequence is decoding, the token
+        be admitted (nothing waits, the batch is full, or `admission_blocked`), every running sequence is decoding, the token
         budget holds them all and the blocks they grow into are free (no preemption). None, with nothing
         changed, otherwise.
 
@@ -147,7 +147,7 @@ class Scheduler:
         """
         running = self.running
         if not running or len(running) > self.max_num_batched_tokens or \
-                (self.waiting and len(running) < self.max_num_seqs):
+                (self.waiting and len(running) < self.max_num_seqs and not self.admission_blocked()):
             return None
         growing = []  # a decode token needs at most one new block
         for seq in running:
@@ -159,7 +159,21 @@ class Scheduler:
             return None
         for seq in growing:
             self._grow(seq, 1)
-        return SchedulerOutput(scheduled=[ScheduledSequence(seq, 1) for seq in running])
+        output = SchedulerOutput(scheduled=[ScheduledSequence(seq, 1) for seq in running])
+        # admits none here: counts the waiting sequences' skips, reads adapters ahead and fails those whose
+        # read failed, as schedule()'s pass would
+        self._admit(output, self.max_num_batched_tokens - len(running))
+        return output
+
+    def admission_blocked(self) -> bool:
+        """True when no waiting sequence could be admitted now, whatever the batch's room: each needs an
+        adapter that holds no slot, and no slot can be taken (every one holds an adapter running sequences
+        use). Workload (d)'s many adapters on few slots spend most decode steps like this."""
+        slots = self.adapter_slots
+        if slots is None or slots.takeable_slots():
+            return False
+        return all(seq.request.lora_request is not None and not slots.is_resident(seq.request.lora_request)
+                   for seq in self.waiting)
 
     def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
         """Preempts the newest running sequences not yet scheduled until `needed` blocks are free; False

@@ -1,4 +1,5 @@
-"""The scheduler's admission orders: fcfs (the default) and balanced (adapters picked to fill slots and batch)."""
+"""The scheduler's admission orders: fcfs (the default) and balanced (adapters picked to fill slots and batch);
+and when admission is blocked on adapter slots, so that a decode step needs no admission pass."""
 from __future__ import annotations
 
 import pytest
@@ -96,3 +97,43 @@ def test_the_engine_config_refuses_an_unknown_admission_order():
 def test_the_engine_schedules_in_the_configured_admission_order(tiny_llama):
     engine = make_engine(tiny_llama, admission_order="balanced")
     assert engine.scheduler.admission_order == "balanced"
+
+
+def engine_with_full_slots(tiny_llama, adapters):
+    """Two slots, both held by running sequences (adapters A and B), and the engine between steps."""
+    a, b, _ = adapters
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=2, max_cpu_loras=len(adapters))
+    for lora in adapters:
+        engine.lora_manager.add(lora)
+    for lora in (a, b):
+        engine.add_request("Hello", PARAMS, lora)
+    engine.step()
+    return engine
+
+
+def test_admission_is_blocked_while_every_slot_holds_a_running_adapter(tiny_llama, adapters):
+    engine = engine_with_full_slots(tiny_llama, adapters)
+    engine.add_request("Hello", PARAMS, adapters[2])
+    assert engine.scheduler.admission_blocked()
+    run_to_completion(engine)
+
+
+@pytest.mark.parametrize("waiting_on", ["resident adapter", "base model"])
+def test_a_sequence_that_needs_no_new_slot_unblocks_admission(tiny_llama, adapters, waiting_on):
+    engine = engine_with_full_slots(tiny_llama, adapters)
+    engine.add_request("Hello", PARAMS, adapters[0] if waiting_on == "resident adapter" else None)
+    assert not engine.scheduler.admission_blocked()
+    assert engine.scheduler.schedule_decode() is None
+    run_to_completion(engine)
+
+
+def test_a_decode_step_with_blocked_admission_counts_the_waiting_as_skipped(tiny_llama, adapters):
+    """What schedule()'s admission pass does for sequences it cannot admit, so the starvation guard
+    sees the same count whichever way the step was scheduled."""
+    engine = engine_with_full_slots(tiny_llama, adapters)
+    engine.add_request("Hello", PARAMS, adapters[2])
+    waiting = engine.scheduler.waiting[0]
+    plan = engine.scheduler.schedule_decode()
+    assert [item.seq for item in plan.scheduled] == engine.scheduler.running
+    assert waiting.skipped_steps == 1
+    run_to_completion(engine)

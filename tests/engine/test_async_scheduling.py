@@ -377,3 +377,12 @@ def test_an_adapter_read_error_while_a_step_is_in_flight_fails_only_its_request(
     assert_streams_consistent(r)
     assert_nothing_left(overlapped)
     overlapped.lora_manager.remove(broken.lora_int_id)
+
+
+def test_steps_overlap_while_requests_wait_for_an_adapter_slot(lora_engines, monkeypatch):
+    adapters, engines = lora_engines
+    first, second, third = adapters  # two slots: the third adapter's requests wait for one to free
+    requests = [(PROMPTS[0], greedy(10), first), (PROMPTS[1], greedy(16), second), (PROMPTS[2], greedy(12), first),
+                (PROMPTS[3], greedy(6), third), (PROMPTS[4], greedy(5), third)]
+    _, r = compare(engines, monkeypatch, requests, same_admissions=False)
+    assert r.overlapped_with_waiting > 0
