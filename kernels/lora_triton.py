@@ -23,9 +23,12 @@ from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
+# Arguments that follow a step's token count (h's slice stride is tokens x rank) are not specialized on: a
+# value divisible by 16 in one eager step and not in the next would compile a second variant mid-run.
+STEP_SIZED = ["stride_hn"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SIZED)
 def _shrink_bgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
@@ -81,7 +84,7 @@ def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SIZED)
 def _shrink_sgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
@@ -177,7 +180,7 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SIZED)
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
@@ -200,7 +203,7 @@ def _expand_bgmv_kernel(
         tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=STEP_SIZED)
 def _expand_sgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,

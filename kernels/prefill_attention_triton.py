@@ -130,7 +130,9 @@ def _attend_tile(acc, m, denom, q, qpos, qk_scale, k_ptr, v_ptr, table_row, kv_o
 
 # Sizes that change from step to step are not specialized on (Triton otherwise compiles a variant for
 # each value that is 1 or a multiple of 16): the block table's width, the tile and sequence counts.
-@triton.jit(do_not_specialize=["stride_tb", "stride_tiles", "stride_seqs"])
+# tables_ptr is the step's block tables past its decode rows: 16-byte aligned or not with their count
+@triton.jit(do_not_specialize=["stride_tb", "stride_tiles", "stride_seqs"],
+            do_not_specialize_on_alignment=["tables_ptr", "tiles_ptr", "sequences_ptr"])
 def _prefill_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, sequences_ptr, out_ptr, qk_scale,
                     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tb, stride_ot, stride_oh,
                     stride_tiles, stride_seqs, num_kv_heads, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,

@@ -116,3 +116,27 @@ def test_async_scheduling_with_cuda_graphs_gives_the_synchronous_tokens(tiny_lla
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
+
+
+def test_steps_of_any_size_compile_no_kernel_after_the_engine_starts(tiny_llama, loras, monkeypatch):
+    """Requests arriving one per step make eager mixed steps of odd and even token counts beside decode rows:
+    every kernel variant they use was compiled at start (a compile mid-run stalls its step for about a second
+    on the H200)."""
+    from triton import knobs
+
+    llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", enable_lora=True, max_loras=4, max_lora_rank=16)
+    compiled = []
+
+    def record(**hook):
+        compiled.append(hook["repr"])
+        return False  # compile as usual
+
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", record)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS * 3):
+        engine.add_request(prompt + " and" * i, SamplingParams(temperature=0, max_tokens=3 + i, ignore_eos=True),
+                           [None, *loras][i % 4])
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert compiled == []
