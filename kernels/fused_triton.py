@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import STEP_SIZED, delta_rows, slot_stacks
+from kernels.lora_triton import delta_rows, slot_stacks
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -108,7 +108,7 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
                  mask=mask)
 
 
-@triton.jit(do_not_specialize=STEP_SIZED)
+@triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                          stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_hn,
                          stride_ht,
@@ -159,7 +159,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out, hidden
 
 
-@triton.jit(do_not_specialize=STEP_SIZED)
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, adapters_ptr,
                          R: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn, stride_ht, HAS_LORA: tl.constexpr,
                          BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
@@ -288,7 +288,9 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         _store_halves(v_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, x1, x2, mask, HALF)
 
 
-@triton.jit(do_not_specialize=STEP_SIZED, do_not_specialize_on_alignment=["pos_ptr", "slots_ptr"])
+# positions and KV slots are views into an eager step's packed inputs, 16-byte aligned only for an even token
+# count: not specialized on, or the first step of the other parity would compile a second variant mid-run
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slots_ptr"])
 def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                                 stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,

@@ -23,12 +23,13 @@ from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
-# Arguments that follow a step's token count (h's slice stride is tokens x rank) are not specialized on: a
-# value divisible by 16 in one eager step and not in the next would compile a second variant mid-run.
-STEP_SIZED = ["stride_hn"]
+# h's slices are this many token rows apart at least, rounded up: its slice stride (an argument of every kernel
+# reading h) is then divisible by 16 whatever a step's token count, and Triton, which specializes on that,
+# compiles one variant, not a second one mid-run at the first step of another size.
+H_ROWS_ALIGN = 16
 
 
-@triton.jit(do_not_specialize=STEP_SIZED)
+@triton.jit
 def _shrink_bgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
@@ -84,7 +85,7 @@ def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
     return tl.dot(a, b, acc)
 
 
-@triton.jit(do_not_specialize=STEP_SIZED)
+@triton.jit
 def _shrink_sgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
@@ -180,7 +181,7 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
     return acc
 
 
-@triton.jit(do_not_specialize=STEP_SIZED)
+@triton.jit
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
@@ -203,7 +204,7 @@ def _expand_bgmv_kernel(
         tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
-@triton.jit(do_not_specialize=STEP_SIZED)
+@triton.jit
 def _expand_sgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
@@ -302,7 +303,8 @@ def shrink_slices(
     if len({a.stride(0) for a in a_slices}) > 1:
         a_slices = [a.contiguous() for a in a_slices]  # one slot stride for all slices (same shapes)
     if out is None:
-        out = torch.empty(n, num_tokens, rank, dtype=torch.float32, device=x.device)
+        rows = triton.cdiv(num_tokens, H_ROWS_ALIGN) * H_ROWS_ALIGN
+        out = torch.empty(n, rows, rank, dtype=torch.float32, device=x.device)[:, :num_tokens]
     if num_tokens == 0:
         return out
     path = path or lora_tuning.choose_path(num_tokens)

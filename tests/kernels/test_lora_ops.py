@@ -159,3 +159,17 @@ def test_triton_kernels_in_a_fresh_interpreter():
         cwd=root, env=env, capture_output=True, text=True,
     )
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+@needs_triton
+@pytest.mark.parametrize("num_tokens", [1, 5, 16, 33])
+def test_shrink_spaces_its_slices_a_multiple_of_16_rows_apart(num_tokens):
+    """h's slice stride, an argument of every kernel that reads h, then divides by 16 whatever a step's token
+    count: Triton specializes on that, so it compiles one variant of those kernels, not another mid-run."""
+    pattern = [t % (NUM_SLOTS + 1) - 1 for t in range(num_tokens)]
+    x = torch.randn(num_tokens, K, device=DEVICE)
+    a_slices = random_weights([(RANK, K)] * 3, torch.float32, DEVICE)
+    h = lora_triton.shrink_slices(x, a_slices, metadata(pattern))
+    ref = shrink_reference(x, a_slices, slots_tensor(pattern, DEVICE))
+    assert h.shape == (3, num_tokens, RANK) and h.stride(0) % 16 == 0
+    assert relative_error(h, ref) <= TOLERANCE[torch.float32]
