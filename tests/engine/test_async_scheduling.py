@@ -75,10 +75,12 @@ class Run:
         if output.finished:
             self.final[output.request_id] = output
 
-    def to_end(self) -> Run:
-        while self.engine.has_unfinished_requests():
+    def to_end(self, max_steps: int = 500) -> Run:
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished_requests():
+                return self
             self.step()
-        return self
+        raise AssertionError(f"requests still unfinished after {max_steps} steps")
 
 
 def run(engine, monkeypatch, requests) -> tuple[list, Run]:
@@ -386,3 +388,29 @@ def test_steps_overlap_while_requests_wait_for_an_adapter_slot(lora_engines, mon
                 (PROMPTS[3], greedy(6), third), (PROMPTS[4], greedy(5), third)]
     _, r = compare(engines, monkeypatch, requests, same_admissions=False)
     assert r.overlapped_with_waiting > 0
+
+
+def test_a_read_error_for_a_request_waiting_on_a_slot_fails_it_while_steps_overlap(tiny_llama, lora_engines,
+                                                                                     monkeypatch, tmp_path):
+    """Room for a third adapter in host memory, so its read starts while both slots are held; the read fails
+    in a decode step launched with the previous one in flight, which fails that request alone."""
+    import shutil
+
+    adapters, (sync, _) = lora_engines
+    first, second, third = adapters
+    good_requests = [(PROMPTS[1], greedy(16), first), (PROMPTS[2], greedy(16), second)]
+    expected, _ = run(sync, monkeypatch, good_requests)
+    overlapped = make_engine(tiny_llama, async_scheduling_eager=True, enable_lora=True, max_loras=2, max_cpu_loras=3,
+                             max_lora_rank=8, block_size=4)
+    broken = LoRARequest("broken-waiting", 51, str(shutil.copytree(third.lora_path, tmp_path / "broken")))
+    r = Run(overlapped, monkeypatch)
+    good = [r.add(*request) for request in good_requests]
+    while r.overlapped_steps < 2:
+        r.step()
+    doomed = r.add(PROMPTS[3], greedy(4), broken)  # its header is checked here; its weights are read later
+    (tmp_path / "broken" / "adapter_model.safetensors").write_bytes(b"gone")
+    r.to_end()
+    assert set(overlapped.take_errors()) == {doomed}
+    assert r.overlapped_with_waiting > 0
+    assert_same(expected, [r.final[i] for i in good])
+    assert_nothing_left(overlapped)
