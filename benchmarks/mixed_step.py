@@ -39,7 +39,7 @@ def add(engine: LLMEngine, setup: Setup, first: int, count: int, prompt_len: int
 
 
 class LaunchTimer:
-    """Wall time of each `execute` call (the launch) and, on a GPU, the step's device time."""
+    """Wall time of each `execute` call: the launch, which waits for nothing on a GPU."""
 
     def __init__(self, engine: LLMEngine, profile: bool):
         self.engine, self.launches, self.profiler = engine, [], cProfile.Profile() if profile else None
@@ -104,7 +104,7 @@ def main() -> None:
         workdir = Path(tmp)
         setup = tiny_setup(workdir, args.device) if args.shape == "tiny" else \
             llama3_8b_setup(workdir, args.device, args.prompt_len)
-        setup.max_model_len = 2048
+        setup.max_model_len, setup.prompt_len = 2048, args.prompt_len
         engine = build_engine(setup, batch=args.decode + max(args.admit) * args.steps, lora=True,
                               steps=args.steps * len(args.admit) + 8)
         add(engine, setup, 0, args.decode, args.prompt_len, max_tokens=args.steps * len(args.admit) * 2 + 16)

@@ -139,9 +139,9 @@ class Scheduler:
 
     def schedule_decode(self) -> SchedulerOutput | None:
         """Every running sequence one token on, when that is exactly what schedule() would do: none can
-        be admitted (nothing waits, the batch is full, or `admission_blocked`), every running sequence is decoding, the token
-        budget holds them all and the blocks they grow into are free (no preemption). None, with nothing
-        changed, otherwise.
+        be admitted (nothing waits, the batch is full, or `admission_blocked`), every running sequence is
+        decoding, the token budget holds them all and the blocks they grow into are free (no preemption).
+        None, with nothing changed, otherwise.
 
         Async scheduling calls it to launch a step before the previous one's tokens are read back.
         """

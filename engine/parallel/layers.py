@@ -39,7 +39,8 @@ class RowParallelLoRALinear(LoRALinear):
         if self.bias is not None:
             y = y + self.bias
         if lora is not None and self.lora_a is not None:
-            h = self.group.all_reduce(kernels.lora_shrink_slices(x, self.lora_a, lora.meta))
+            # contiguous for the collective (the Triton shrink returns h as a view of row-padded slices)
+            h = self.group.all_reduce(kernels.lora_shrink_slices(x, self.lora_a, lora.meta).contiguous())
             kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y, None
 

@@ -414,3 +414,34 @@ def test_a_read_error_for_a_request_waiting_on_a_slot_fails_it_while_steps_overl
     assert r.overlapped_with_waiting > 0
     assert_same(expected, [r.final[i] for i in good])
     assert_nothing_left(overlapped)
+
+
+def test_blocked_admission_counts_skips_and_drains_as_in_sync_mode(tiny_llama, lora_engines, monkeypatch):
+    """Every adapter already in host memory, so admissions do not depend on background reads; a low skip
+    limit, so the starvation guard drains a slot during the run. At every forward, the waiting sequences'
+    skip counts and the adapter being drained are those of the synchronous engine."""
+    adapters, _ = lora_engines
+    first, second, third = adapters
+    kwargs = {"enable_lora": True, "max_loras": 2, "max_cpu_loras": 3, "max_lora_rank": 8, "block_size": 4}
+    engines = (make_engine(tiny_llama, async_scheduling=False, **kwargs),
+               make_engine(tiny_llama, async_scheduling_eager=True, **kwargs))
+    seen = []
+    for engine in engines:
+        for lora in adapters:
+            engine.lora_manager.add(lora)
+        engine.scheduler.max_skips = 2
+        states, execute = [], engine.runner.execute
+
+        def recording(*args, engine=engine, states=states, execute=execute):
+            if engine.scheduler.waiting:
+                states.append((sorted(s.skipped_steps for s in engine.scheduler.waiting), engine.scheduler.draining))
+            return execute(*args)
+
+        monkeypatch.setattr(engine.runner, "execute", recording)
+        seen.append(states)
+    requests = [(PROMPTS[0], greedy(10), first), (PROMPTS[1], greedy(16), second), (PROMPTS[2], greedy(12), first),
+                (PROMPTS[3], greedy(6), third), (PROMPTS[4], greedy(5), third), (PROMPTS[5], greedy(9), second)]
+    _, r = compare(engines, monkeypatch, requests)
+    assert r.overlapped_with_waiting > 0
+    assert any(draining is not None for _, draining in seen[0])
+    assert seen[1] == seen[0]
