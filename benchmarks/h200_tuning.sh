@@ -12,7 +12,7 @@ OUT=${OUT:-bench-out}
 mkdir -p "$OUT/pdl0" "$OUT/pdl1"
 log="$OUT/tuning.log"
 began=$SECONDS
-timeout 130 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/kernels tests/engine/test_cuda.py -k "not embedded" \
+timeout 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/kernels tests/engine/test_cuda.py -k "not embedded" \
     2>&1 | tail -12 | tee "$log"
 for pdl in 0 1; do
     LORASERVE_PDL=$pdl timeout 150 python3 benchmarks/decode_step.py --batches 64 128 --out "$OUT/pdl$pdl" 2>&1 \
