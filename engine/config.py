@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .scheduler import ADMISSION_ORDERS
+from .scheduler import check_admission_order
 
 
 @dataclass
@@ -59,8 +59,7 @@ class EngineConfig:
             raise ValueError(f"adapter_reader must be 'auto', 'threads' or 'process', got {self.adapter_reader!r}")
         if self.adapter_reader == "process" and self.tensor_parallel_size > 1:
             raise ValueError("adapter_reader='process' does not work with tensor parallelism; use 'threads'")
-        if self.admission_order not in ADMISSION_ORDERS:
-            raise ValueError(f"admission_order must be one of {', '.join(ADMISSION_ORDERS)}; got {self.admission_order!r}")
+        check_admission_order(self.admission_order)
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

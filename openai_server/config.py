@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from adapters_registry import AdapterSpec, parse_lora_adapters, parse_lora_modules
+from engine.scheduler import ADMISSION_ORDERS
 
 DEFAULT_CONFIG_NAME = "config.yaml"
 _TRUE = {"1", "true", "yes", "on"}
@@ -130,7 +131,7 @@ OPTIONS: tuple[_Option, ...] = (
             choices=("auto", "process", "threads")),
     _Option("admission_order", "Order waiting requests are admitted in: fcfs, or balanced (adapter by adapter, "
             "each free adapter slot to the adapter that fills the batch best; default fcfs).",
-            choices=("fcfs", "balanced")),
+            choices=ADMISSION_ORDERS),
     _Option("allow_runtime_lora_updating", "Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter.",
             "bool", env=("VLLM_ALLOW_RUNTIME_LORA_UPDATING",)),
     _Option("lora_allowed_dirs", "Directories runtime-loaded adapters must lie under (resolved; no `..` or "
