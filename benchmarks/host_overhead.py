@@ -181,7 +181,7 @@ class Setup:
     async_scheduling: bool = False
 
 
-def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
+def build_engine(setup: Setup, batch: int, lora: bool, steps: int, **overrides) -> LLMEngine:
     lora_args = {"enable_lora": True, "max_loras": NUM_ADAPTERS, "max_cpu_loras": NUM_ADAPTERS,
                  "max_lora_rank": setup.max_lora_rank} if lora else {}
     blocks_per_seq = -(-(setup.prompt_len + 2 * steps + 8) // 16)
@@ -189,7 +189,7 @@ def build_engine(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
                                   load_format=setup.load_format, max_num_seqs=batch, max_model_len=setup.max_model_len,
                                   num_kv_blocks=batch * blocks_per_seq, async_scheduling=setup.async_scheduling,
                                   async_scheduling_eager=setup.async_scheduling and setup.device == "cpu",
-                                  **lora_args))
+                                  **lora_args, **overrides))
 
 
 def add_requests(engine: LLMEngine, batch: int, adapters: list[Path] | None, prompt_len: int, max_tokens: int) -> None:

@@ -3,16 +3,18 @@
     python3 benchmarks/mixed_step.py --device cuda                  # Llama-3-8B shapes, bf16 (H200)
     python3 benchmarks/mixed_step.py --device cpu --shape tiny      # a smoke run of the code
 
-Steps admitting a few prompts cannot replay a decode graph: they launch the whole forward from Python.
-When the prefill is small, that launch, not the GPU, sets the step's length. This builds an engine with
-LoRA (64 random rank-16 adapters, 32 decode sequences on them), then times `ModelRunner.execute` (the
-launch, no sync) and the step's GPU time for steps that admit `--admit` new prompts of `--prompt-len`
-tokens each, and profiles one such launch by own time, with the number of Triton launches per step.
+Steps admitting a few prompts cannot replay a decode graph. Run eagerly (`--modes full_decode_only`),
+they launch the whole forward from Python, and when the prefill is small that launch, not the GPU, sets
+the step's length; with piecewise graphs (`full_and_piecewise`, the default) they replay a graph between
+attentions. For each mode this builds an engine with LoRA (64 random rank-16 adapters, 32 decode
+sequences on them), then times `ModelRunner.execute` (the launch, no sync) and the whole step for steps
+that admit `--admit` new prompts of `--prompt-len` tokens each, and profiles one such launch by own time.
 """
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import json
 import pstats
 import statistics
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.host_overhead import NUM_ADAPTERS, Setup, build_engine, llama3_8b_setup, tiny_setup  # noqa: E402
 from engine import LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from engine.config import CUDAGRAPH_MODES  # noqa: E402
 
 
 def add(engine: LLMEngine, setup: Setup, first: int, count: int, prompt_len: int, max_tokens: int) -> None:
@@ -98,28 +101,37 @@ def main() -> None:
     parser.add_argument("--admit", type=int, nargs="+", default=[1, 4], help="prompts admitted per mixed step")
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--modes", nargs="+", choices=CUDAGRAPH_MODES, default=list(CUDAGRAPH_MODES),
+                        help="EngineConfig.cudagraph_mode values to measure, one engine each")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    results = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         setup = tiny_setup(workdir, args.device) if args.shape == "tiny" else \
             llama3_8b_setup(workdir, args.device, args.prompt_len)
         setup.max_model_len, setup.prompt_len = 2048, args.prompt_len
-        engine = build_engine(setup, batch=args.decode + max(args.admit) * args.steps, lora=True,
-                              steps=args.steps * len(args.admit) + 8)
-        add(engine, setup, 0, args.decode, args.prompt_len, max_tokens=args.steps * len(args.admit) * 2 + 16)
-        while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                              for s in engine.scheduler.running):
-            engine.step()
-        results = []
-        for admit in args.admit:
-            mixed_steps(engine, setup, 2, admit, args.prompt_len, profile=False)  # warm: compiles, slot loads
-            r = mixed_steps(engine, setup, args.steps, admit, args.prompt_len, profile=True)
-            results.append(r)
-            print(f"admit {admit} x {args.prompt_len} beside ~{args.decode} decode rows: launch "
-                  f"{r['launch_ms']:.2f} ms, step {r['step_ms']:.2f} ms", flush=True)
-            for row in r["profile"][:25]:
-                print(f"  {row['tottime_ms']:8.2f} {row['cumtime_ms']:8.2f} {row['calls']:6d}  {row['function']}")
+        for mode in args.modes:
+            t = time.perf_counter()
+            engine = build_engine(setup, batch=args.decode + max(args.admit) * args.steps, lora=True,
+                                  steps=args.steps * len(args.admit) + 8, cudagraph_mode=mode)
+            print(f"{mode}: engine built in {time.perf_counter() - t:.1f} s", flush=True)
+            add(engine, setup, 0, args.decode, args.prompt_len, max_tokens=args.steps * len(args.admit) * 2 + 16)
+            while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
+                                                  for s in engine.scheduler.running):
+                engine.step()
+            for admit in args.admit:
+                mixed_steps(engine, setup, 2, admit, args.prompt_len, profile=False)  # warm: compiles, slot loads
+                r = dict(mode=mode) | mixed_steps(engine, setup, args.steps, admit, args.prompt_len, profile=True)
+                results.append(r)
+                print(f"{mode}: admit {admit} x {args.prompt_len} beside ~{args.decode} decode rows: launch "
+                      f"{r['launch_ms']:.2f} ms, step {r['step_ms']:.2f} ms", flush=True)
+                for row in r["profile"][:12]:
+                    print(f"  {row['tottime_ms']:8.2f} {row['cumtime_ms']:8.2f} {row['calls']:6d}  {row['function']}")
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     if args.out:
         args.out.write_text(json.dumps({"config": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                        indent=1))

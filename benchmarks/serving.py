@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
+from engine.config import CUDAGRAPH_MODES  # noqa: E402
 from engine.lora_manager import LoRAManager  # noqa: E402
 from engine.sampler import PendingTokens  # noqa: E402
 
@@ -431,7 +432,8 @@ def _reader_variant(text: str) -> tuple[int, float]:
 
 
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
-    settings = dict(adapter_reader=args.adapter_reader, admission_order=args.admission_order) | overrides
+    settings = dict(adapter_reader=args.adapter_reader, admission_order=args.admission_order,
+                    cudagraph_mode=args.cudagraph_mode) | overrides
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
@@ -479,6 +481,8 @@ def main() -> None:
                         help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
     parser.add_argument("--admission-order", choices=("fcfs", "balanced"), default="fcfs",
                         help="the order the engines admit waiting requests in (EngineConfig.admission_order)")
+    parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
+                        help="CUDA graphs for decode steps only, or for mixed steps' pieces too (EngineConfig)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
     args = parser.parse_args()
     began = time.perf_counter()

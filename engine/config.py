@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from .scheduler import check_admission_order
 
+CUDAGRAPH_MODES = ("full_and_piecewise", "full_decode_only")
+
 
 @dataclass
 class EngineConfig:
@@ -30,6 +32,9 @@ class EngineConfig:
     # "auto": processes on CUDA without tensor parallelism, threads otherwise
     adapter_reader: str = "auto"
     enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
+    # CUDA graphs (vLLM's names): "full_and_piecewise" captures whole decode steps and the pieces of mixed
+    # steps between attentions (engine/piecewise_graphs.py); "full_decode_only" runs mixed steps eagerly
+    cudagraph_mode: str = "full_and_piecewise"
     # launch a greedy decode step before reading the previous one's tokens back, so the host's
     # bookkeeping overlaps the GPU (CUDA-graph decode steps, one process; otherwise steps are synchronous)
     async_scheduling: bool = True
@@ -60,6 +65,8 @@ class EngineConfig:
         if self.adapter_reader == "process" and self.tensor_parallel_size > 1:
             raise ValueError("adapter_reader='process' does not work with tensor parallelism; use 'threads'")
         check_admission_order(self.admission_order)
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; got {self.cudagraph_mode!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

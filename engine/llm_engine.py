@@ -125,7 +125,10 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)
         if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
-            self.runner.enable_cuda_graphs(config.max_num_seqs, self.max_model_len, scratch_block=num_blocks)
+            piecewise = config.cudagraph_mode == "full_and_piecewise"
+            self.runner.enable_cuda_graphs(
+                config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
+                max_num_batched_tokens=self.scheduler.max_num_batched_tokens if piecewise else None)
         if self.device.type == "cuda" and config.tensor_parallel_size == 1:
             warm_up_eager_steps(self.runner, max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                                 max_model_len=self.max_model_len, scratch_block=num_blocks,

@@ -5,10 +5,16 @@ q, k, v, o, gate, up and down without the model knowing which adapters exist. Wh
 the expands (`LoRAStep.fold_expand`), a projection returns its delta (`kernels.LoRADelta`) instead
 of adding it, and the fused op that consumes the output adds it: qkv's in the rotary + KV write,
 gate/up's in SiLU·up, o's and down's in the next RMSNorm.
+
+The forward runs in pieces: everything between two attentions (a layer's o_proj, norm and MLP, the
+next layer's norm, qkv_proj, rotary and KV write) is one piece (`LlamaForCausalLM.piece`), and
+attention runs between pieces. Eager steps run them in turn; piecewise CUDA graphs
+(`engine/piecewise_graphs.py`) capture the pieces and run only attention eagerly.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -38,25 +44,35 @@ class LoRALinear(nn.Module):
         self.lora_a: list[torch.Tensor] | None = None
         self.lora_b: list[torch.Tensor] | None = None
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """(y, None) with the adapters' deltas added; or, when the step folds expands into the next op
-        (`lora.fold_expand`), the base product and the delta that op adds."""
+        (`lora.fold_expand`), the base product and the delta that op adds. out: where y goes (a buffer
+        that outlives a CUDA-graph piece), else a new tensor."""
         if lora is None or self.lora_a is None:
-            return nn.functional.linear(x, self.weight, self.bias), None
+            return self._base(x, out), None
         if lora.side_stream is None:
-            y = nn.functional.linear(x, self.weight, self.bias)
+            y = self._base(x, out)
             h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
         else:
             main = torch.cuda.current_stream()
             lora.side_stream.wait_stream(main)
             with torch.cuda.stream(lora.side_stream):
                 h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
-            y = nn.functional.linear(x, self.weight, self.bias)
+            y = self._base(x, out)
             main.wait_stream(lora.side_stream)
         if lora.fold_expand:
             return y, kernels.LoRADelta(h, tuple(self.lora_b), lora.meta)
         kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y, None
+
+    def _base(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + b: the GEMM `linear` runs (addmm with a bias, mm without), into `out` when given."""
+        if out is None:
+            return nn.functional.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight.t(), out=out)
+        return torch.addmm(self.bias, x, self.weight.t(), out=out)
 
 
 class RMSNorm(nn.Module):
@@ -107,29 +123,37 @@ class Attention(nn.Module):
         self.rotary = rotary
         self.split = [q_size, kv_size, kv_size]
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionMetadata, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
-        """o_proj's output and the LoRA delta still to add to it (see `LoRALinear.forward`)."""
-        qkv, qkv_delta = self.qkv_proj(x, lora)
+    def project(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                slot_mapping: torch.Tensor, lora: LoRAStep | None,
+                qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v [T, heads, D] of x, rotated, with k and v written to the cache (qkv_out: where they live)."""
+        qkv, qkv_delta = self.qkv_proj(x, lora, out=qkv_out)
         q, k, v = qkv.split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache
         fused.rotary_and_write_kv(q, k, v, self.rotary.cos, self.rotary.sin, positions, k_cache, v_cache,
-                                  attn.slot_mapping, lora=qkv_delta)
+                                  slot_mapping, lora=qkv_delta)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               attn: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of the step's tokens over the cache (their k and v already in it), into `out` when given:
+        the leading decode rows in one batched decode attention, the prefill rows in one prefill attention."""
+        k_cache, v_cache = kv_cache
         split = attn.num_decode
         if attn.decode_only:
-            out = decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale)
-        else:
+            return decode_attention(q, k_cache, v_cache, attn.block_tables, attn.context_lens, self.scale, out=out)
+        if out is None:
             out = torch.empty_like(q)
-            if split:
-                out[:split] = decode_attention(q[:split], k_cache, v_cache, attn.block_tables[:split],
-                                               attn.context_lens[:split], self.scale)
-            prefill_attention(q[split:], k_cache, v_cache, attn.block_tables[split:], attn.query_lens[split:],
-                              attn.context_lens_list[split:], self.scale, plan=attn.prefill, k=k[split:],
-                              v=v[split:], out=out[split:])
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), lora)
+        if split:
+            decode_attention(q[:split], k_cache, v_cache, attn.block_tables[:split], attn.context_lens[:split],
+                             self.scale, out=out[:split])
+        prefill_attention(q[split:], k_cache, v_cache, attn.block_tables[split:], attn.query_lens[split:],
+                          attn.context_lens_list[split:], self.scale, plan=attn.prefill, k=k[split:],
+                          v=v[split:], out=out[split:])
+        return out
 
 
 class MLP(nn.Module):
@@ -145,6 +169,17 @@ class MLP(nn.Module):
         return self.down_proj(fused.silu_and_mul(gate_up, lora=delta), lora)
 
 
+@dataclass
+class AttentionInputs:
+    """What a piece of the forward hands attention and the next piece: the layer's rotated q, k and v
+    [T, heads, D] (k and v already in the cache) and the residual stream."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    residual: torch.Tensor
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config, rotary: RotaryEmbedding):
         super().__init__()
@@ -153,13 +188,22 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, pending: kernels.LoRADelta | None,
-                positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionMetadata,
-                lora: LoRAStep | None) -> tuple[torch.Tensor, torch.Tensor, kernels.LoRADelta | None]:
-        """This layer's MLP output, the residual stream before it is added, and the MLP output's LoRA delta
-        still to add (`pending` is the previous layer's, which this layer's first norm adds)."""
+    def before_attention(self, x: torch.Tensor, residual: torch.Tensor | None, pending: kernels.LoRADelta | None,
+                         positions: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                         slot_mapping: torch.Tensor, lora: LoRAStep | None,
+                         qkv_out: torch.Tensor | None = None) -> AttentionInputs:
+        """The input norm (adding `pending`, the previous layer's MLP delta, and the residual) and the
+        attention's projections, with the new k and v written to the cache."""
         h, residual = self.input_layernorm(x, residual, pending)
-        h, delta = self.self_attn(h, positions, kv_cache, attn, lora)
+        q, k, v = self.self_attn.project(h, positions, kv_cache, slot_mapping, lora, qkv_out)
+        return AttentionInputs(q, k, v, residual)
+
+    def after_attention(self, attn_out: torch.Tensor, residual: torch.Tensor, lora: LoRAStep | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, kernels.LoRADelta | None]:
+        """This layer's MLP output, the residual stream before it is added, and the MLP output's LoRA delta
+        still to add (the next norm adds both)."""
+        attn = self.self_attn
+        h, delta = attn.o_proj(attn_out.reshape(-1, attn.num_heads * attn.head_dim), lora)
         h, residual = self.post_attention_layernorm(h, residual, delta)
         h, delta = self.mlp(h, lora)
         return h, residual, delta
@@ -192,10 +236,32 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False)
 
     def forward(self, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        x, residual, pending = self.embed_tokens(step.input_ids), None, None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual, pending = layer(x, residual, pending, step.positions, kv_cache, step.attention, step.lora)
-        return self.norm(x, residual, pending)[0]
+        """Final-norm hidden states [T, hidden]: the pieces, with each layer's attention between two."""
+        inputs = self.piece(0, step, kv_caches)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            attn_out = layer.self_attn.attend(inputs.q, inputs.k, inputs.v, kv_cache, step.attention)
+            inputs = self.piece(index + 1, step, kv_caches, attn_out, inputs.residual)
+        return inputs
+
+    @property
+    def num_pieces(self) -> int:
+        return len(self.layers) + 1
+
+    def piece(self, index: int, step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+              attn_out: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+              qkv_out: torch.Tensor | None = None) -> AttentionInputs | torch.Tensor:
+        """Piece `index` of the forward: what runs after attention index-1 (the embedding for the first) and
+        before attention `index`, which gets the returned inputs; the last piece returns the final-norm
+        hidden states. attn_out and residual: the previous attention's output and the residual stream.
+        qkv_out: where the projections put q, k and v."""
+        if index == 0:
+            x, pending = self.embed_tokens(step.input_ids), None
+        else:
+            x, residual, pending = self.layers[index - 1].after_attention(attn_out, residual, step.lora)
+        if index == len(self.layers):
+            return self.norm(x, residual, pending)[0]
+        return self.layers[index].before_attention(x, residual, pending, step.positions, kv_caches[index],
+                                                   step.attention.slot_mapping, step.lora, qkv_out)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts what it reads, and the greedy kernel reads them

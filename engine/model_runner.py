@@ -28,12 +28,25 @@ class ModelRunner:
         self.device = device
         self.num_lora_slots = num_lora_slots
         self.graphs = None
+        self.piecewise = None
 
     def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
         """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model).
 
         Sequences with one new token should come first: they share one batched decode attention.
         """
+        rows, attention = self._pack_step(scheduled, adapter_slots)
+        ids, pos, _, lora_slots = rows
+        lora = None
+        if any(s >= 0 for s in adapter_slots):
+            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots))
+        return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
+
+    def _pack_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],
+                   padded_to: int | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The step's per-token rows on the device ([4, tokens]: input ids, positions, KV slots, adapter
+        slots), padded with the piecewise graphs' padding rows up to `padded_to` tokens, and its attention
+        metadata."""
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -50,6 +63,12 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(table)
+        num_tokens = len(input_ids)
+        if padded_to is not None:
+            padding = padded_to - num_tokens
+            for row, value in zip((input_ids, positions, slot_mapping, token_slots), self.piecewise.padding_row):
+                row.extend([value] * padding)
+            num_tokens = padded_to
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         dev = self.device
@@ -62,15 +81,14 @@ class ModelRunner:
             block_q = DEFAULT_CONFIG.block_q(config.num_attention_heads // config.num_key_value_heads)
             plan_values = PrefillPlan.host_values(query_lens[num_decode:], context_lens[num_decode:], block_q)
         # the per-token inputs and the prefill plan travel as one tensor (one copy to a GPU), used in pieces
-        num_tokens = len(input_ids)
         packed = torch.tensor(input_ids + positions + slot_mapping + token_slots + plan_values,
                               dtype=torch.long, device=dev)
-        ids, pos, slots, lora_slots = packed[:4 * num_tokens].view(4, num_tokens)
+        rows = packed[:4 * num_tokens].view(4, num_tokens)
         prefill = None
         if plan_values:
             prefill = PrefillPlan.from_values(packed[4 * num_tokens:], len(query_lens) - num_decode, block_q)
         attention = AttentionMetadata(
-            slot_mapping=slots,
+            slot_mapping=rows[2],
             block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
             context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
             query_lens=query_lens,
@@ -78,18 +96,23 @@ class ModelRunner:
             num_decode=num_decode,
             prefill=prefill,
         )
-        lora = None
-        if any(s >= 0 for s in adapter_slots):
-            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots))
-        return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
+        return rows, attention
 
-    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int) -> None:
+    def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int,
+                           max_num_batched_tokens: int | None = None) -> None:
+        """Decode steps replay CUDA graphs; with max_num_batched_tokens, so do mixed steps, piece by piece
+        (`engine/piecewise_graphs.py`), up to that many tokens or PIECEWISE_MAX_TOKENS."""
         from .cuda_graphs import DecodeGraphs
+        from .piecewise_graphs import PiecewiseGraphs
 
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    scratch_block=scratch_block, block_size=self.block_size,
                                    num_lora_slots=self.num_lora_slots, device=self.device)
+        if max_num_batched_tokens is not None:
+            self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, max_tokens=max_num_batched_tokens,
+                                             scratch_slot=scratch_block * self.block_size,
+                                             num_lora_slots=self.num_lora_slots, device=self.device)
 
     def replays_graph(self, batch: int) -> bool:
         """True when a decode-only step of `batch` sequences replays a CUDA graph."""
@@ -101,6 +124,7 @@ class ModelRunner:
         """device_tokens: for a decode-only step, the input ids to take on the device instead of from
         the sequences' token_ids (which hold placeholders for them)."""
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
         if device_tokens is not None and not decode_only:
             raise ValueError("input ids on the device need a decode-only step")
         if decode_only and self.replays_graph(len(scheduled)):
@@ -108,6 +132,9 @@ class ModelRunner:
             hidden = self.graphs.run([s.token_ids[s.num_computed_tokens] for s in seqs],
                                      [s.num_computed_tokens for s in seqs], [s.block_table for s in seqs],
                                      adapter_slots, device_tokens)
+        elif not decode_only and self.piecewise is not None and self.piecewise.bucket(num_tokens) is not None:
+            rows, attention = self._pack_step(scheduled, adapter_slots, self.piecewise.bucket(num_tokens))
+            hidden = self.piecewise.run(rows, attention, num_tokens)
         else:
             step = self.build_step(scheduled, adapter_slots)
             if device_tokens is not None:  # one input id per sequence, in order

@@ -38,13 +38,15 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token per sequence: the Triton kernel on CUDA, torch elsewhere."""
+                     block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token per sequence: the Triton kernel on CUDA, torch elsewhere; into `out` when given."""
     if use_triton(BACKEND_ENV, default=q.is_cuda):
         from kernels.paged_attention_triton import paged_attention_decode as triton_decode
 
-        return triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
-    return paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return triton_decode(q, k_cache, v_cache, block_tables, context_lens, scale, out=out)
+    result = paged_attention_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return result if out is None else out.copy_(result)
 
 
 def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -15,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from adapters_registry import AdapterSpec, parse_lora_adapters, parse_lora_modules
+from engine.config import CUDAGRAPH_MODES
 from engine.scheduler import ADMISSION_ORDERS
 
 DEFAULT_CONFIG_NAME = "config.yaml"
@@ -42,6 +43,7 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.85
     tensor_parallel_size: int = 1
     enforce_eager: bool = False
+    cudagraph_mode: str = "full_and_piecewise"
     async_scheduling: bool = True
     seed: int = 0
     enable_lora: bool = False
@@ -113,7 +115,10 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("gpu_memory_utilization", "Fraction of GPU memory the engine may use (default 0.85).", "float"),
     _Option("tensor_parallel_size", "Shard the model over this many GPUs, one worker process each (default 1).",
             "int", env=("NUM_SHARD",)),
-    _Option("enforce_eager", "On CUDA, run decode steps eagerly instead of replaying CUDA graphs.", "bool"),
+    _Option("enforce_eager", "On CUDA, run every step eagerly instead of replaying CUDA graphs.", "bool"),
+    _Option("cudagraph_mode", "On CUDA: full_and_piecewise replays decode steps whole and mixed steps piece by "
+            "piece, with attention between the pieces; full_decode_only runs mixed steps eagerly "
+            "(default full_and_piecewise).", choices=CUDAGRAPH_MODES),
     _Option("async_scheduling", "On CUDA with graphs, launch a greedy decode step before the previous step's "
             "tokens are read back (default on; --no-async-scheduling turns it off).", "bool"),
     _Option("seed", "Engine random seed (default 0).", "int"),

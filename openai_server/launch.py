@@ -45,6 +45,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         gpu_memory_utilization=config.gpu_memory_utilization,
         tensor_parallel_size=config.tensor_parallel_size,
         enforce_eager=config.enforce_eager,
+        cudagraph_mode=config.cudagraph_mode,
         async_scheduling=config.async_scheduling,
         enable_lora=config.enable_lora or wants_lora,
         max_loras=config.max_loras,

@@ -159,6 +159,14 @@ def test_admission_order_reaches_the_engine_config(tmp_path):
     assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).admission_order == "fcfs"
 
 
+def test_cudagraph_mode_reaches_the_engine_config(tmp_path):
+    from openai_server.launch import engine_config
+
+    assert engine_config(serve_config_from_args(["m", "--cudagraph-mode", "full_decode_only"], environ={},
+                                                cwd=tmp_path)).cudagraph_mode == "full_decode_only"
+    assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).cudagraph_mode == "full_and_piecewise"
+
+
 def test_an_adapter_named_by_both_dialects_for_the_same_place_counts_once(workdir):
     same_place = f"pirate={workdir / 'adapters' / 'pirate'}"
     config = serve_config_from_args([], environ={"LORA_ADAPTERS": same_place}, cwd=workdir)

@@ -1,0 +1,122 @@
+"""Mixed steps (prompts, beside decode rows) replayed from CUDA graphs piece by piece.
+
+An eager mixed step launches a few hundred kernels (about 450 for Llama-3-8B with adapters, 41–81 ms of
+host time on the H200's host), so a step that admits one prompt is host-bound. Its attention depends on
+the step's sequences (how many decode rows, which prompts, the prefill plan), not only on its token
+count, but everything between two attentions does not: a layer's o_proj, norm, MLP and LoRA, the next
+layer's norm, qkv_proj, rotary and KV write (`LlamaForCausalLM.piece`). Those pieces are captured per
+token-count bucket and replayed, and only attention runs eagerly between them: vLLM's piecewise CUDA
+graphs. One step then costs 33 replays and 64 attention launches of host time for 32 layers.
+
+Every input a piece reads lives in a static buffer: token ids, positions, KV slots and adapter slots
+(rows of one tensor), q/k/v (the projections write into one buffer all layers share) and the attention
+output. Padding rows up to the bucket write their KV to the scratch block nobody reads and use no
+adapter; attention runs on the real rows only. The pieces of a bucket share one memory pool with the
+other buckets and replay in the order they were captured, so what one piece hands the next (the
+residual stream) may reuse memory a piece before freed.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+import kernels
+
+from .model import AttentionInputs, LlamaForCausalLM
+from .step_input import AttentionMetadata, LoRAStep, StepInput
+
+# Steps of more tokens run eagerly: their GPU time hides the launches, and padding them would cost more.
+PIECEWISE_MAX_TOKENS = 4096
+
+
+def piecewise_buckets(max_tokens: int) -> list[int]:
+    """Token counts captured, up to max_tokens (itself a bucket) or PIECEWISE_MAX_TOKENS: 16 and 32, then steps
+    of 64 to 512, 128 to 1024 and 256 beyond. A step of more than 256 tokens pads to less than a quarter more;
+    smaller ones may pad to twice as many, which costs little while reading the weights dominates a step."""
+    top = min(max_tokens, PIECEWISE_MAX_TOKENS)
+    sizes = [16, 32, *range(64, 513, 64), *range(640, 1025, 128), *range(1280, PIECEWISE_MAX_TOKENS + 1, 256)]
+    return sorted({size for size in sizes if size < top} | {top})
+
+
+class PiecewiseGraphs:
+    def __init__(self, model: LlamaForCausalLM, kv_caches, *, max_tokens: int, scratch_slot: int,
+                 num_lora_slots: int, device: torch.device):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.num_lora_slots = num_lora_slots
+        self.buckets = piecewise_buckets(max_tokens)
+        self.padding_row = (0, 0, scratch_slot, -1)  # token id, position, KV slot, adapter slot
+        top = self.buckets[-1]
+        attn = model.layers[0].self_attn
+        dtype = model.embed_tokens.weight.dtype
+        # token ids, positions, KV slots and adapter slots; a bucket's graphs read its first columns
+        self.rows = torch.tensor(self.padding_row, dtype=torch.long, device=device)[:, None].repeat(1, top)
+        self.qkv = torch.zeros(top, sum(attn.split), dtype=dtype, device=device)
+        self.attn_out = torch.zeros(top, attn.num_heads, attn.head_dim, dtype=dtype, device=device)
+        self.hidden = torch.zeros(top, model.config.hidden_size, dtype=dtype, device=device)
+        self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+        self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
+        self._capture_all()
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest bucket that holds num_tokens, or None when the step runs eagerly."""
+        return next((size for size in self.buckets if size >= num_tokens), None)
+
+    def _capture_step(self, size: int) -> StepInput:
+        ids, positions, slots = self.rows[:3, :size]
+        lora = None
+        if self.num_lora_slots:
+            self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
+            lora = LoRAStep(self.lora_meta[size])
+        # the pieces read only the KV slots; attention, which reads the rest, runs outside them
+        attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),
+                                      context_lens=slots.new_empty(0), query_lens=[], context_lens_list=[],
+                                      num_decode=0)
+        return StepInput(ids, positions, attention, lora)
+
+    def _run_pieces(self, size: int, step: StepInput, capture: list[torch.cuda.CUDAGraph] | None,
+                    pool) -> None:
+        """Each piece in turn, with no attention between (its output buffer is read as it is): eagerly,
+        which compiles the kernels; or each captured into the next graph of `capture`."""
+        inputs: AttentionInputs | None = None
+        for index in range(self.model.num_pieces):
+            with nullcontext() if capture is None else torch.cuda.graph(capture[index], pool=pool):
+                if index == 0 and step.lora is not None:  # the tokens grouped by adapter, from the static slots
+                    kernels.prepare_lora_metadata(self.rows[3, :size], self.num_lora_slots, out=step.lora.meta)
+                result = self.model.piece(index, step, self.kv_caches, self.attn_out[:size],
+                                          None if inputs is None else inputs.residual, self.qkv[:size])
+                if index == self.model.num_pieces - 1:
+                    self.hidden[:size].copy_(result)
+                else:
+                    inputs = result
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.buckets):
+                step = self._capture_step(size)
+                self._run_pieces(size, step, None, pool)
+                torch.cuda.synchronize()
+                graphs = [torch.cuda.CUDAGraph() for _ in range(self.model.num_pieces)]
+                self._run_pieces(size, step, graphs, pool)
+                self.graphs[size] = graphs
+        torch.cuda.synchronize()
+
+    def run(self, rows: torch.Tensor, attention: AttentionMetadata, num_tokens: int) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of a step whose per-token rows (ids, positions, KV slots,
+        adapter slots; [4, bucket], padded with `padding_row`) are on the device."""
+        size = rows.shape[1]
+        graphs = self.graphs[size]
+        self.rows[:, :size].copy_(rows)
+        attn = self.model.layers[0].self_attn
+        q, k, v = self.qkv[:num_tokens].split(attn.split, dim=-1)
+        q = q.view(num_tokens, attn.num_heads, attn.head_dim)
+        k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
+        v = v.view(num_tokens, attn.num_kv_heads, attn.head_dim)
+        out = self.attn_out[:num_tokens]
+        graphs[0].replay()
+        for layer, kv_cache, graph in zip(self.model.layers, self.kv_caches, graphs[1:]):
+            layer.self_attn.attend(q, k, v, kv_cache, attention, out=out)
+            graph.replay()
+        return self.hidden[:num_tokens]
