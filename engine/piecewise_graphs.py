@@ -32,10 +32,11 @@ PIECEWISE_MAX_TOKENS = 4096
 
 def piecewise_buckets(max_tokens: int) -> list[int]:
     """Token counts captured, up to max_tokens (itself a bucket) or PIECEWISE_MAX_TOKENS: 16 and 32, then steps
-    of 64 to 512, 128 to 1024 and 256 beyond. A step of more than 256 tokens pads to less than a quarter more;
-    smaller ones may pad to twice as many, which costs little while reading the weights dominates a step."""
+    of 64 to 512 and of 128 beyond. Small steps may pad to twice as many tokens, which costs little while
+    reading the weights dominates; past 512 tokens the GPU time grows with the tokens, and a step pads by
+    fewer than 128 (H200, Llama-3-8B: 2080 tokens padded to 2304 took 62.3 ms against 58.4 ms eagerly)."""
     top = min(max_tokens, PIECEWISE_MAX_TOKENS)
-    sizes = [16, 32, *range(64, 513, 64), *range(640, 1025, 128), *range(1280, PIECEWISE_MAX_TOKENS + 1, 256)]
+    sizes = [16, 32, *range(64, 513, 64), *range(640, PIECEWISE_MAX_TOKENS + 1, 128)]
     return sorted({size for size in sizes if size < top} | {top})
 
 

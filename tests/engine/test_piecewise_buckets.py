@@ -16,10 +16,11 @@ def test_buckets_stop_at_the_piecewise_limit_for_larger_budgets():
     assert piecewise_buckets(8192)[-1] == PIECEWISE_MAX_TOKENS == piecewise_buckets(PIECEWISE_MAX_TOKENS)[-1]
 
 
-def test_a_step_of_more_than_256_tokens_pads_to_less_than_a_quarter_more():
+def test_a_step_of_more_than_256_tokens_pads_to_less_than_a_quarter_more_and_fewer_than_128_tokens():
     buckets = piecewise_buckets(PIECEWISE_MAX_TOKENS)
     for tokens in range(257, PIECEWISE_MAX_TOKENS + 1):
-        assert next(b for b in buckets if b >= tokens) < tokens * 1.25
+        padded = next(b for b in buckets if b >= tokens)
+        assert padded < tokens * 1.25 and padded - tokens < 128
 
 
 def test_an_unknown_cudagraph_mode_is_refused():
