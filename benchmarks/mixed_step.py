@@ -115,7 +115,11 @@ def main() -> None:
             t = time.perf_counter()
             engine = build_engine(setup, batch=args.decode + max(args.admit) * args.steps, lora=True,
                                   steps=args.steps * len(args.admit) + 8, cudagraph_mode=mode)
-            print(f"{mode}: engine built in {time.perf_counter() - t:.1f} s", flush=True)
+            built = dict(mode=mode, build_s=time.perf_counter() - t)
+            if torch.cuda.is_available():
+                built["reserved_gib"] = torch.cuda.memory_reserved() / 2**30
+            results.append(built)
+            print(f"{built}", flush=True)
             add(engine, setup, 0, args.decode, args.prompt_len, max_tokens=args.steps * len(args.admit) * 2 + 16)
             while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                                   for s in engine.scheduler.running):
