@@ -95,21 +95,25 @@ def test_requests_arriving_mid_run_get_the_tokens_of_eager_mixed_steps(tiny_llam
             monkeypatch.setattr(llm.engine.runner.piecewise, "run", lambda *a: calls.append(1) or run_pieces(*a))
         engine, outputs = llm.engine, {}
         for i, prompt in enumerate(prompts):  # one arrival per step: prompts are admitted beside decode rows
-            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
-                               [None, *loras][i % 4], request_id=str(i))
+            params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, prompt_logprobs=0)
+            engine.add_request(prompt, params, [None, *loras][i % 4], request_id=str(i))
             outputs |= {o.request_id: o for o in engine.step()}
         while engine.has_unfinished_requests():
             outputs |= {o.request_id: o for o in engine.step()}
         assert engine.allocator.num_free == engine.allocator.num_blocks
-        return [outputs[str(i)].outputs[0] for i in range(len(prompts))], len(calls)
+        return [outputs[str(i)] for i in range(len(prompts))], len(calls)
 
     pieces, replayed = run("full_and_piecewise")
     eager, _ = run("full_decode_only")
     assert replayed >= len(prompts)
-    assert [o.token_ids for o in pieces] == [o.token_ids for o in eager]
+    assert [o.outputs[0].token_ids for o in pieces] == [o.outputs[0].token_ids for o in eager]
     for ours, ref in zip(pieces, eager):
-        assert [e[t] for e, t in zip(ours.logprobs, ours.token_ids)] == \
-            pytest.approx([e[t] for e, t in zip(ref.logprobs, ref.token_ids)], abs=1e-4)
+        sampled, ref_sampled = ours.outputs[0], ref.outputs[0]
+        assert [e[t] for e, t in zip(sampled.logprobs, sampled.token_ids)] == \
+            pytest.approx([e[t] for e, t in zip(ref_sampled.logprobs, ref_sampled.token_ids)], abs=1e-4)
+        prompt = [next(iter(e.values())) for e in ours.prompt_logprobs[1:]]  # the prompt token's own logprob
+        ref_prompt = [next(iter(e.values())) for e in ref.prompt_logprobs[1:]]
+        assert prompt == pytest.approx(ref_prompt, abs=1e-4)
 
 
 def test_full_decode_only_captures_no_pieces(tiny_llama):
