@@ -31,7 +31,7 @@ class EngineConfig:
     # shared host memory, so reads never contend for the engine thread's GIL; not with tensor parallelism);
     # "auto": processes on CUDA without tensor parallelism, threads otherwise
     adapter_reader: str = "auto"
-    enforce_eager: bool = False  # CUDA only: False captures decode steps in CUDA graphs
+    enforce_eager: bool = False  # CUDA only: False replays CUDA graphs (which ones: cudagraph_mode)
     # CUDA graphs (vLLM's names): "full_and_piecewise" captures whole decode steps and the pieces of mixed
     # steps between attentions (engine/piecewise_graphs.py); "full_decode_only" runs mixed steps eagerly
     cudagraph_mode: str = "full_and_piecewise"

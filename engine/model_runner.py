@@ -101,7 +101,7 @@ class ModelRunner:
     def enable_cuda_graphs(self, max_num_seqs: int, max_model_len: int, scratch_block: int,
                            max_num_batched_tokens: int | None = None) -> None:
         """Decode steps replay CUDA graphs; with max_num_batched_tokens, so do mixed steps, piece by piece
-        (`engine/piecewise_graphs.py`), up to that many tokens or PIECEWISE_MAX_TOKENS."""
+        (`engine/piecewise_graphs.py`), up to that many tokens or PIECEWISE_MAX_TOKENS, whichever is fewer."""
         from .cuda_graphs import DecodeGraphs
         from .piecewise_graphs import PiecewiseGraphs
 

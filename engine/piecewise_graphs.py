@@ -8,12 +8,13 @@ layer's norm, qkv_proj, rotary and KV write (`LlamaForCausalLM.piece`). Those pi
 token-count bucket and replayed, and only attention runs eagerly between them: vLLM's piecewise CUDA
 graphs. One step then costs 33 replays and 64 attention launches of host time for 32 layers.
 
-Every input a piece reads lives in a static buffer: token ids, positions, KV slots and adapter slots
-(rows of one tensor), q/k/v (the projections write into one buffer all layers share) and the attention
-output. Padding rows up to the bucket write their KV to the scratch block nobody reads and use no
-adapter; attention runs on the real rows only. The pieces of a bucket share one memory pool with the
-other buckets and replay in the order they were captured, so what one piece hands the next (the
-residual stream) may reuse memory a piece before freed.
+Every input a piece reads but the residual stream lives in a static buffer: token ids, positions, KV
+slots and adapter slots (rows of one tensor), q/k/v (the projections write into one buffer all layers
+share) and the attention output. Padding rows up to the bucket write their KV to the scratch block nobody
+reads and use no adapter; attention runs on the real rows only. The pieces of a bucket share one memory
+pool with the other buckets and replay in the order they were captured, so what one piece hands the next
+(the residual stream, in the pool: the eager attention between allocates outside it) may reuse memory a
+piece before freed, and a bucket may reuse another's.
 """
 from __future__ import annotations
 
@@ -106,7 +107,8 @@ class PiecewiseGraphs:
 
     def run(self, rows: torch.Tensor, attention: AttentionMetadata, num_tokens: int) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a step whose per-token rows (ids, positions, KV slots,
-        adapter slots; [4, bucket], padded with `padding_row`) are on the device."""
+        adapter slots; [4, bucket], padded with `padding_row`) are on the device: a view of a static buffer,
+        which the next piecewise step overwrites."""
         size = rows.shape[1]
         graphs = self.graphs[size]
         self.rows[:, :size].copy_(rows)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] flat KV slot of every new token
+    slot_mapping: torch.Tensor  # [T] flat KV slot of every new token (and of piecewise padding rows)
     block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [B] tokens in the cache after this step, per sequence
     query_lens: list[int]  # new tokens per sequence, in batch order

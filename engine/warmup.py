@@ -1,13 +1,14 @@
 """Kernel launches at engine start, so Triton compiles there and not in the first requests.
 
-CUDA-graph capture compiles the decode kernels and the mixed steps' pieces (engine/piecewise_graphs.py),
-but what runs eagerly compiles on first use: the prefill attention, the decode attention of a mixed
-step's decode rows (a variant per batch class and split), the greedy choice after the LM head, and, in
-steps above the piecewise buckets or without graphs, the LoRA kernels per tile class (up to 128 tokens
-go per token, fewer than 512 in 16-row tiles, more in 64-row tiles). Each takes a second or more on an
-H200, which the first requests of a fresh server would wait for. Eager steps of dummy sequences cover the LoRA kernels and the prefill attention;
-the decode attention and the greedy choice are launched directly. Of the KV cache they use only the
-scratch block (the one CUDA-graph padding rows write to), so no block a sequence owns is touched.
+CUDA-graph capture compiles the decode kernels and, with piecewise graphs, the kernels of mixed steps
+up to the largest bucket, between their attentions. The rest runs eagerly (attention always; mixed steps
+past that bucket or without piecewise graphs) and compiles on first use: the LoRA kernels per tile class
+(up to 128 tokens go per token, fewer than 512 in 16-row tiles, more in 64-row tiles), the prefill
+attention, the decode attention of a mixed step's decode rows (a variant per batch class and split), and
+the greedy choice after the LM head. Each takes a second or more on an H200, which the first requests of
+a fresh server would wait for. Mixed steps of dummy sequences cover the LoRA kernels and the prefill
+attention; the decode attention and the greedy choice are launched directly. Of the KV cache they use
+only the scratch block (the one CUDA-graph padding rows write to), so no block a sequence owns is touched.
 """
 from __future__ import annotations
 
