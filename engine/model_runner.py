@@ -65,6 +65,8 @@ class ModelRunner:
             tables.append(table)
         num_tokens = len(input_ids)
         if padded_to is not None:
+            if padded_to < num_tokens:
+                raise ValueError(f"cannot pad a step of {num_tokens} tokens to {padded_to}")
             padding = padded_to - num_tokens
             for row, value in zip((input_ids, positions, slot_mapping, token_slots), self.piecewise.padding_row):
                 row.extend([value] * padding)

@@ -17,8 +17,8 @@ if not torch.cuda.is_available():
 
 
 def _engine(model_dir, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", enable_lora=True,
-                                  max_loras=4, max_lora_rank=16, block_size=4, **overrides))
+    settings = dict(enable_lora=True, max_loras=4, max_lora_rank=16) | overrides
+    return LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", block_size=4, **settings))
 
 
 def _random_adapter_slots(engine: LLMEngine, seed: int) -> None:
@@ -45,23 +45,19 @@ def _mixed_step(engine: LLMEngine, rng: random.Random, num_decode: int, prompts:
     return scheduled, slots
 
 
-STEPS = {
-    "decode_rows_and_a_fresh_prompt": (8, [(40, 40)]),  # 48 tokens: a BGMV bucket
-    "a_continued_chunk_and_a_fresh_prompt": (0, [(90, 50), (70, 70)]),  # 120 tokens, no decode rows
-    "many_rows_in_sgmv_tiles": (30, [(200, 150), (130, 130), (9, 9)]),  # 319 tokens
-    "a_step_filling_its_bucket": (0, [(256, 256)]),
-}
+# one engine runs them in this order: from a bucket on the segment LoRA path to per-token ones and back
+STEPS = [
+    (30, [(200, 150), (130, 130), (9, 9)]),  # 319 tokens: many decode rows, segment (SGMV) tiles
+    (8, [(40, 40)]),  # 48 tokens: decode rows and a fresh prompt, the per-token (BGMV) path
+    (0, [(256, 256)]),  # a step filling its bucket
+    (0, [(90, 50), (70, 70)]),  # 120 tokens: a continued chunk and a fresh prompt, no decode rows
+]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
-@pytest.mark.parametrize("case", list(STEPS))
-def test_a_mixed_step_from_the_pieces_matches_the_eager_forward(model, case, request):
-    engine = _engine(request.getfixturevalue(model))
-    _random_adapter_slots(engine, seed=3)
-    scheduled, slots = _mixed_step(engine, random.Random(case), *STEPS[case])
-    num_tokens = sum(item.num_new_tokens for item in scheduled)
+def _compare_with_the_eager_forward(engine: LLMEngine, scheduled, slots) -> None:
+    """The step from the pieces, then again eagerly from the same KV cache: the same hidden states, and the
+    same KV written everywhere but the scratch block."""
     runner = engine.runner
-    assert runner.piecewise.bucket(num_tokens) is not None
     for k_cache, v_cache in runner.kv_caches:
         k_cache.normal_()
         v_cache.normal_()
@@ -78,6 +74,20 @@ def test_a_mixed_step_from_the_pieces_matches_the_eager_forward(model, case, req
     for (k_pieces, v_pieces), (k_eager, v_eager) in zip(written, runner.kv_caches):
         torch.testing.assert_close(k_pieces[:scratch], k_eager[:scratch], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(v_pieces[:scratch], v_eager[:scratch], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model, enable_lora", [("tiny_llama", True), ("tiny_qwen2", True), ("tiny_llama", False)])
+def test_mixed_steps_from_the_pieces_match_the_eager_forward(model, enable_lora, request):
+    engine = _engine(request.getfixturevalue(model), enable_lora=enable_lora)
+    if enable_lora:
+        _random_adapter_slots(engine, seed=3)
+    rng = random.Random(model)
+    for num_decode, prompts in STEPS:
+        scheduled, slots = _mixed_step(engine, rng, num_decode, prompts)
+        if not enable_lora:
+            slots = [-1] * len(scheduled)
+        assert engine.runner.piecewise.bucket(sum(item.num_new_tokens for item in scheduled)) is not None
+        _compare_with_the_eager_forward(engine, scheduled, slots)
 
 
 def test_requests_arriving_mid_run_get_the_tokens_of_eager_mixed_steps(tiny_llama, tmp_path_factory, monkeypatch):
