@@ -32,6 +32,7 @@ def main() -> None:
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
+    args.cudagraph_mode = "full_and_piecewise"
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(Path(args.work), args.shape)
