@@ -44,6 +44,9 @@ def main() -> None:
         for batch in args.batches:
             t = time.perf_counter()
             loras = loras_for(batch)
+            # a first run warms the step as serving's runs do (first replays, the sampler's first calls); its
+            # figures are dropped
+            decode_step_profile(engine, batch, args.prompt_len, loras, vocab)
             row = decode_step_profile(engine, batch, args.prompt_len, loras, vocab)
             distinct = len({lora.lora_int_id for lora in loras if lora is not None})
             row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth)
