@@ -148,13 +148,14 @@ def zipf_choice(n: int, population: int, seed: int = 0, a: float = 1.1) -> list[
     return torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
 
 
-PHASES = ("schedule", "launch")
+PHASES = ("schedule", "launch", "sample", "read_back")
 
 
 def time_phases(engine: LLMEngine) -> dict[str, float]:
-    """Time spent per step in scheduling and in the model runner's `execute` (the forward's launch: no
-    sync, so a launch as long as its step means the step was host-bound), summed into the returned dict
-    until `untime_phases`."""
+    """Time spent per step, summed into the returned dict until `untime_phases`: in scheduling; in the model
+    runner's `execute` (the forward's launch: no sync, so a launch as long as its step means the step was
+    host-bound); in a synchronous step's sampling, which waits for its forward; and in reading back the
+    step left in flight before (async scheduling), which waits for that step's forward."""
     spent: dict[str, float] = {}
 
     def timed(name, function):
@@ -169,12 +170,14 @@ def time_phases(engine: LLMEngine) -> dict[str, float]:
     engine.scheduler.schedule = timed("schedule", engine.scheduler.schedule)
     engine.scheduler.schedule_decode = timed("schedule", engine.scheduler.schedule_decode)  # async decode steps
     engine.runner.execute = timed("launch", engine.runner.execute)
+    engine._sample = timed("sample", engine._sample)
+    engine._read_back = timed("read_back", engine._read_back)
     return spent
 
 
 def untime_phases(engine: LLMEngine) -> None:
     for owner, name in ((engine.scheduler, "schedule"), (engine.scheduler, "schedule_decode"),
-                        (engine.runner, "execute")):
+                        (engine.runner, "execute"), (engine, "_sample"), (engine, "_read_back")):
         owner.__dict__.pop(name, None)
 
 
