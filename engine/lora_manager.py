@@ -78,6 +78,7 @@ class LoRAManager:
         self.host: OrderedDict[int, int] = OrderedDict()  # adapter id -> its row of the host pool, LRU first
         self.slot_owner: list[int | None] = [None] * max_loras
         self.pins: Counter[int] = Counter()
+        self._takeable: int | None = None  # takeable_slots(), until a slot's owner or pins change
         self.removed: set[int] = set()
         self._clock = itertools.count()
         self._slot_used_at = [0] * max_loras
@@ -206,8 +207,11 @@ class LoRAManager:
         return self.takeable_slots() > 0
 
     def takeable_slots(self) -> int:
-        """Slots a new adapter could go into now: empty, or holding one no running sequence uses."""
-        return sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+        """Slots a new adapter could go into now: empty, or holding one no running sequence uses. Counted
+        once after a slot's owner or pins change: an admission pass asks once per waiting sequence."""
+        if self._takeable is None:
+            self._takeable = sum(owner is None or self.pins[owner] == 0 for owner in self.slot_owner)
+        return self._takeable
 
     def is_resident(self, lora_request: LoRARequest) -> bool:
         """True when the adapter holds a slot: more sequences for it need no other."""
@@ -224,11 +228,13 @@ class LoRAManager:
         if int_id not in self.slot_owner:
             self._load_into_slot(lora_request, self._pick_slot())
         self.pins[int_id] += 1
+        self._takeable = None
         self._slot_used_at[self.slot_owner.index(int_id)] = next(self._clock)
 
     def unpin(self, lora_request: LoRARequest) -> None:
         int_id = lora_request.lora_int_id
         self.pins[int_id] -= 1
+        self._takeable = None
         if self.pins[int_id] == 0:
             del self.pins[int_id]
             if int_id in self.removed:
@@ -336,10 +342,12 @@ class LoRAManager:
             self._pending_loads.append(event)
             self._row_copies[row] = event
         self.slot_owner[slot] = lora_request.lora_int_id
+        self._takeable = None
 
     def _free(self, int_id: int) -> None:
         if int_id in self.slot_owner:
             self.slot_owner[self.slot_owner.index(int_id)] = None
+            self._takeable = None
         self._drop_host_copy(int_id)
 
 

@@ -113,6 +113,30 @@ def test_more_adapters_than_slots_all_finish_correctly(tiny_llama, adapters, ref
     assert llm.engine.lora_manager.slot_usage()[0] <= 2
 
 
+def test_the_takeable_slot_count_follows_every_pin_load_and_unload(tiny_llama, adapters):
+    """The manager counts takeable slots once per change; after every step and unload the count is the
+    slots' own: empty, or holding an adapter no running sequence uses."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_cpu_loras=3)
+    engine, manager = llm.engine, llm.engine.lora_manager
+
+    def counted() -> int:
+        return sum(owner is None or manager.pins[owner] == 0 for owner in manager.slot_owner)
+
+    prompts, loras = _mixed_batch(adapters)
+    for prompt, lora in zip(prompts, loras):
+        engine.add_request(prompt, PARAMS, lora)
+    removed = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert manager.takeable_slots() == counted()
+        if not removed and any(manager.pins.values()):
+            manager.remove(next(owner for owner in manager.slot_owner if owner and manager.pins[owner]))
+            removed = True
+            assert manager.takeable_slots() == counted()
+    assert removed and manager.takeable_slots() == counted() == 2
+
+
 def test_host_cache_keeps_at_most_max_cpu_loras(tiny_llama, adapters):
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
               max_cpu_loras=2)
