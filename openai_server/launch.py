@@ -1,6 +1,7 @@
 """From a ServeConfig to a running server: engine, adapter registry, startup adapters, app, uvicorn."""
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +82,19 @@ def build_server(config: ServeConfig) -> Server:
     return Server(engine, registry, build_app(engine, registry, settings))
 
 
+def freeze_startup_heap() -> None:
+    """Take what start-up made (the model's modules, CUDA graphs, imported libraries: about 300k tracked
+    objects with the embedded model) out of the cyclic garbage collector's reach. Otherwise, each time
+    the collector scans the oldest generation while serving, it walks all of them and every request
+    stalls; that takes 150 ms on a 2-core CPU machine with the embedded model. The server keeps these
+    objects for its whole life, so nothing is lost. vLLM's engine core does the same."""
+    gc.collect()
+    gc.freeze()
+
+
 def serve(config: ServeConfig) -> None:
     server = build_server(config)
+    freeze_startup_heap()
     base = config.served_model_name[0] if config.served_model_name else server.engine.model_name
     logger.info("loraserve listening on http://%s:%d (model %s, %d adapters)",
                 config.host, config.port, base, len(server.registry))

@@ -177,3 +177,20 @@ def test_an_adapter_named_twice_for_different_places_is_refused(workdir):
     config = serve_config_from_args([], environ={"LORA_ADAPTERS": "pirate=/elsewhere/pirate"}, cwd=workdir)
     with pytest.raises(ConfigError, match="'pirate' is given twice"):
         config.adapter_specs()
+
+
+def test_serve_freezes_the_start_up_heap_before_serving(model_dir, tmp_path, monkeypatch):
+    """A collection of the oldest generation while serving then skips everything start-up made."""
+    import gc
+
+    from openai_server import launch
+
+    frozen_when_serving = []
+    monkeypatch.setattr(launch.uvicorn, "run", lambda app, **kwargs: frozen_when_serving.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        launch.serve(serve_config_from_args([str(model_dir), "--dtype", "float32", "--device", "cpu"], environ={},
+                                            cwd=tmp_path))
+    finally:
+        gc.unfreeze()  # the test process goes on collecting as usual
+    assert len(frozen_when_serving) == 1 and frozen_when_serving[0] > 10_000
