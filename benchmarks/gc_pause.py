@@ -1,5 +1,5 @@
 """How long one collection of Python's oldest generation stalls a server process, before and after
-`openai_server.launch.freeze_startup_heap` (which `serve` calls once start-up is done).
+`engine.gc_heap.freeze_startup_heap` (which `loraserve serve` calls once start-up is done).
 
     python benchmarks/gc_pause.py            # the embedded model on the CPU, with LoRA enabled
 
@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM  # noqa: E402
-from openai_server.launch import freeze_startup_heap  # noqa: E402
+from engine.gc_heap import freeze_startup_heap  # noqa: E402
 
 
 def full_collection_ms(repeats: int = 5) -> float:

@@ -33,6 +33,7 @@ from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
+from engine.gc_heap import freeze_startup_heap  # noqa: E402
 from engine.lora_manager import LoRAManager  # noqa: E402
 from engine.sampler import PendingTokens  # noqa: E402
 
@@ -559,6 +560,7 @@ def main() -> None:
         save(out)
         if not over_budget():
             async_engine = AsyncEngine(engine=engine)
+            freeze_startup_heap()  # as `loraserve serve` does once started; unfrozen before the engine is dropped
 
             async def run_online():
                 online_batch = batch[:args.online_requests]
@@ -569,6 +571,7 @@ def main() -> None:
             log(f"online: {RESULTS['online_64_adapters']}")
             async_engine.shutdown()
             del async_engine
+            gc.unfreeze()
         del engine
         release_gpu_memory()
         save(out)

@@ -1,7 +1,6 @@
 """From a ServeConfig to a running server: engine, adapter registry, startup adapters, app, uvicorn."""
 from __future__ import annotations
 
-import gc
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +10,7 @@ from starlette.applications import Starlette
 
 from adapters_registry import AdapterRegistry
 from engine import AsyncEngine, EngineConfig
+from engine.gc_heap import freeze_startup_heap
 
 from .adapters import register_adapter
 from .app import build_app
@@ -80,16 +80,6 @@ def build_server(config: ServeConfig) -> Server:
     for spec in config.adapter_specs():
         register_adapter(engine, registry, spec)
     return Server(engine, registry, build_app(engine, registry, settings))
-
-
-def freeze_startup_heap() -> None:
-    """Take what start-up made (the model's modules, CUDA graphs, imported libraries: about 300k tracked
-    objects with the embedded model) out of the cyclic garbage collector's reach. Otherwise, each time
-    the collector scans the oldest generation while serving, it walks all of them and every request
-    stalls; that takes 150 ms on a 2-core CPU machine with the embedded model. The server keeps these
-    objects for its whole life, so nothing is lost. vLLM's engine core does the same."""
-    gc.collect()
-    gc.freeze()
 
 
 def serve(config: ServeConfig) -> None:
