@@ -36,6 +36,7 @@ from engine.config import CUDAGRAPH_MODES  # noqa: E402
 from engine.gc_heap import freeze_startup_heap  # noqa: E402
 from engine.lora_manager import LoRAManager  # noqa: E402
 from engine.sampler import PendingTokens  # noqa: E402
+from engine.scheduler import ADMISSION_ORDERS  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
@@ -483,7 +484,7 @@ def main() -> None:
                              "GIL switch interval)")
     parser.add_argument("--adapter-reader", choices=("auto", "threads", "process"), default="auto",
                         help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
-    parser.add_argument("--admission-order", choices=("fcfs", "balanced"), default="fcfs",
+    parser.add_argument("--admission-order", choices=ADMISSION_ORDERS, default="fcfs",
                         help="the order the engines admit waiting requests in (EngineConfig.admission_order)")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="CUDA graphs for decode steps only, or for mixed steps' pieces too (EngineConfig)")

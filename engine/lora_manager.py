@@ -202,9 +202,7 @@ class LoRAManager:
                     self._failed_reads[int_id] = future.exception()
 
     def can_pin(self, lora_request: LoRARequest) -> bool:
-        if lora_request.lora_int_id in self.slot_owner:
-            return True
-        return self.takeable_slots() > 0
+        return self.is_resident(lora_request) or self.takeable_slots() > 0
 
     def takeable_slots(self) -> int:
         """Slots a new adapter could go into now: empty, or holding one no running sequence uses. Counted

@@ -128,14 +128,17 @@ class Attention(nn.Module):
                 qkv_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v [T, heads, D] of x, rotated, with k and v written to the cache (qkv_out: where they live)."""
         qkv, qkv_delta = self.qkv_proj(x, lora, out=qkv_out)
-        q, k, v = qkv.split(self.split, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k, v = self.split_qkv(qkv)
         k_cache, v_cache = kv_cache
         fused.rotary_and_write_kv(q, k, v, self.rotary.cos, self.rotary.sin, positions, k_cache, v_cache,
                                   slot_mapping, lora=qkv_delta)
         return q, k, v
+
+    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views q [T, heads, D], k and v [T, kv_heads, D] of qkv_proj's output [T, q + 2 kv]."""
+        q, k, v = qkv.split(self.split, dim=-1)
+        return (q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim),
+                v.view(-1, self.num_kv_heads, self.head_dim))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
                attn: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:

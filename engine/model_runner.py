@@ -127,6 +127,7 @@ class ModelRunner:
         the sequences' token_ids (which hold placeholders for them)."""
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
         num_tokens = sum(item.num_new_tokens for item in scheduled)
+        bucket = None if decode_only or self.piecewise is None else self.piecewise.bucket(num_tokens)
         if device_tokens is not None and not decode_only:
             raise ValueError("input ids on the device need a decode-only step")
         if decode_only and self.replays_graph(len(scheduled)):
@@ -134,8 +135,8 @@ class ModelRunner:
             hidden = self.graphs.run([s.token_ids[s.num_computed_tokens] for s in seqs],
                                      [s.num_computed_tokens for s in seqs], [s.block_table for s in seqs],
                                      adapter_slots, device_tokens)
-        elif not decode_only and self.piecewise is not None and self.piecewise.bucket(num_tokens) is not None:
-            rows, attention = self._pack_step(scheduled, adapter_slots, self.piecewise.bucket(num_tokens))
+        elif bucket is not None:
+            rows, attention = self._pack_step(scheduled, adapter_slots, bucket)
             hidden = self.piecewise.run(rows, attention, num_tokens)
         else:
             step = self.build_step(scheduled, adapter_slots)

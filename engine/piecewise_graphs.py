@@ -112,11 +112,7 @@ class PiecewiseGraphs:
         size = rows.shape[1]
         graphs = self.graphs[size]
         self.rows[:, :size].copy_(rows)
-        attn = self.model.layers[0].self_attn
-        q, k, v = self.qkv[:num_tokens].split(attn.split, dim=-1)
-        q = q.view(num_tokens, attn.num_heads, attn.head_dim)
-        k = k.view(num_tokens, attn.num_kv_heads, attn.head_dim)
-        v = v.view(num_tokens, attn.num_kv_heads, attn.head_dim)
+        q, k, v = self.model.layers[0].self_attn.split_qkv(self.qkv[:num_tokens])
         out = self.attn_out[:num_tokens]
         graphs[0].replay()
         for layer, kv_cache, graph in zip(self.model.layers, self.kv_caches, graphs[1:]):

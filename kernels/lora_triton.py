@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.lora_metadata import LoRAMetadata
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig
-from kernels.pdl_triton import pdl_launch, wait_for_predecessor
+from kernels.pdl_triton import INTERPRETED, pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
 # h's slices are this many token rows apart at least, rounded up: its slice stride (an argument of every kernel
@@ -246,12 +246,9 @@ def _expand_sgmv_kernel(
         tl.store(y_rows + offs_n[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
 
 
-# Under TRITON_INTERPRET=1 (at import) the kernels are interpreted: dots of bfloat16 then go through float32.
-_INTERPRETED = not isinstance(_shrink_sgmv_kernel, triton.runtime.JITFunction)
-
-
 def _dot_f32(dtype: torch.dtype) -> bool:
-    return dtype == torch.float32 or (_INTERPRETED and dtype == torch.bfloat16)
+    """Interpreted (TRITON_INTERPRET=1), dots of bfloat16 go through float32."""
+    return dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
 
 
 def _pow2(n: int) -> int:

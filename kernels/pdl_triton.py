@@ -27,13 +27,13 @@ def wait_for_predecessor(USE_PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# Under TRITON_INTERPRET=1 (at import) the kernels are interpreted, even with CUDA tensors, and the interpreter
-# has no grid dependency control.
-_INTERPRETED = not isinstance(wait_for_predecessor, triton.runtime.JITFunction)
+# True under TRITON_INTERPRET=1 (read at import): every kernel is interpreted, even with CUDA tensors. The
+# interpreter has no grid dependency control (and its bfloat16 dots go through float32: `lora_triton`).
+INTERPRETED = not isinstance(wait_for_predecessor, triton.runtime.JITFunction)
 
 
 def pdl_launch(device: torch.device, wanted: bool = True) -> dict[str, bool]:
     """The keyword arguments of a launch on `device`: the kernel's USE_PDL and Triton's `launch_pdl` option,
     both `use_pdl(device)` unless the kernels are interpreted or the caller does not want PDL for this launch."""
-    flag = wanted and use_pdl(device) and not _INTERPRETED
+    flag = wanted and use_pdl(device) and not INTERPRETED
     return {"USE_PDL": flag, "launch_pdl": flag}

@@ -67,7 +67,7 @@ def test_a_launch_passes_the_decision_to_the_kernel_and_to_triton(capability, in
     from kernels import pdl_triton
 
     gpu_capability(monkeypatch, capability)
-    monkeypatch.setattr(pdl_triton, "_INTERPRETED", interpreted)
+    monkeypatch.setattr(pdl_triton, "INTERPRETED", interpreted)
     assert pdl_triton.pdl_launch(GPU) == {"USE_PDL": want, "launch_pdl": want}
 
 
@@ -76,5 +76,5 @@ def test_only_the_per_token_lora_kernels_launch_with_pdl(path, want, monkeypatch
     from kernels import lora_triton, pdl_triton
 
     gpu_capability(monkeypatch, (9, 0))
-    monkeypatch.setattr(pdl_triton, "_INTERPRETED", False)
+    monkeypatch.setattr(pdl_triton, "INTERPRETED", False)
     assert lora_triton._pdl_for(path, GPU) == {"USE_PDL": want, "launch_pdl": want}
