@@ -5,7 +5,8 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`) and whether decode graphs fold each expand into the fused op after it (`fold_expand`).
+(`choose_path`), how many rows its metadata tiles hold (`tile_rows`), and whether decode graphs fold each
+expand into the fused op after it (`fold_expand`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ SGMV_MIN_TOKENS = 129
 # SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
 SGMV_LARGE_TOKENS = 512
 SGMV_BLOCK_M = 64
+# Tokens of one slot per per-token (BGMV) program: each adapter row it loads serves that many tokens. A BGMV
+# config's `group` is 1 (a program per token, any metadata) or this, the tile height of BGMV metadata.
+BGMV_GROUP = 1
 # In CUDA-graph decode buckets on the per-token path, leave each expand to the fused op that consumes the
 # projection (`LoRAStep.fold_expand`). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
 FOLD_EXPAND = True
@@ -36,6 +40,7 @@ class ShrinkConfig:
     split_k: int
     num_warps: int
     num_stages: int
+    group: int = 1  # BGMV: tokens of one slot per program (metadata tiles of that height); 1 = one token
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     n_blocks: int = 1  # column blocks per program
+    group: int = 1  # BGMV: tokens of one slot per program (metadata tiles of that height); 1 = one token
 
 
 # Winners of `benchmarks/lora_kernels.py --sweep` on an H200 (torch 2.11, triton 3.6), 2026-11-29: BGMV scored
@@ -88,6 +94,12 @@ def fold_expand() -> bool:
 def sgmv_block_m(max_tokens: int) -> int:
     """Rows per SGMV tile, fixed when the metadata buffers are made."""
     return 16 if max_tokens < SGMV_LARGE_TOKENS else SGMV_BLOCK_M
+
+
+def tile_rows(num_tokens: int) -> int:
+    """The metadata `block_m` for a batch of `num_tokens` (its capacity, for static buffers): BGMV_GROUP when the
+    batch goes per token, the SGMV tile height otherwise."""
+    return BGMV_GROUP if choose_path(num_tokens) == "bgmv" else sgmv_block_m(num_tokens)
 
 
 def _nearest(keys, value: int) -> int:
