@@ -85,11 +85,12 @@ def mixed_steps(engine: LLMEngine, setup: Setup, steps: int, admit: int, prompt_
     return result
 
 
-def top_functions(profiler: cProfile.Profile, top: int = 30) -> list[dict]:
+def top_functions(profiler: cProfile.Profile, top: int = 30, key: str = "tottime_ms") -> list[dict]:
+    """The `top` functions by `key` (tottime_ms: own time; cumtime_ms: with callees, which shows phases)."""
     stats = pstats.Stats(profiler).stats
     rows = [{"function": pstats.func_std_string(func), "calls": calls, "tottime_ms": 1e3 * tottime,
              "cumtime_ms": 1e3 * cumtime} for func, (_, calls, tottime, cumtime, _) in stats.items()]
-    rows.sort(key=lambda row: -row["tottime_ms"])
+    rows.sort(key=lambda row: -row[key])
     return rows[:top]
 
 
@@ -103,6 +104,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--modes", nargs="+", choices=CUDAGRAPH_MODES, default=list(CUDAGRAPH_MODES),
                         help="EngineConfig.cudagraph_mode values to measure, one engine each")
+    parser.add_argument("--profile-build", action="store_true",
+                        help="profile each engine build (cProfile) and report its slowest calls with their callees")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     results = []
@@ -112,14 +115,22 @@ def main() -> None:
             llama3_8b_setup(workdir, args.device, args.prompt_len)
         setup.max_model_len, setup.prompt_len = 2048, args.prompt_len
         for mode in args.modes:
+            profiler = cProfile.Profile() if args.profile_build else None
             t = time.perf_counter()
+            if profiler is not None:
+                profiler.enable()
             engine = build_engine(setup, batch=args.decode + max(args.admit) * args.steps, lora=True,
                                   steps=args.steps * len(args.admit) + 8, cudagraph_mode=mode)
             built = dict(mode=mode, build_s=time.perf_counter() - t)
+            if profiler is not None:
+                profiler.disable()
+                built["build_profile"] = top_functions(profiler, top=40, key="cumtime_ms")
+                for row in built["build_profile"][:30]:
+                    print(f"  build {row['cumtime_ms']:9.1f} {row['tottime_ms']:9.1f} {row['calls']:7d}  {row['function']}")
             if torch.cuda.is_available():
                 built["reserved_gib"] = torch.cuda.memory_reserved() / 2**30
             results.append(built)
-            print(f"{built}", flush=True)
+            print(f"{ {k: v for k, v in built.items() if k != 'build_profile'} }", flush=True)
             add(engine, setup, 0, args.decode, args.prompt_len, max_tokens=args.steps * len(args.admit) * 2 + 16)
             while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
                                                   for s in engine.scheduler.running):
