@@ -1,5 +1,5 @@
-"""Decode-step time against its bytes floor on the GPU, for the base model and for 64 adapters, at a few
-batch sizes: the wall time of steps back to back, the GPU time of their parts, and how long the host
+"""Decode-step time against its bytes floor on the GPU, for the base model and for rows spread over 64 (or
+other counts of) adapters, at a few batch sizes: the wall time of steps back to back, the GPU time of their parts, and how long the host
 waits for the GPU. A shorter companion of `serving.py` for comparing decode-path changes.
 
     python3 benchmarks/decode_step.py --out DIR
@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/loraserve-bench")
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--cases", nargs="+", choices=("base", "lora"), default=["base", "lora"])
+    parser.add_argument("--adapters", type=int, nargs="+", default=[64],
+                        help="distinct adapters the rows of the lora case are spread over (1..64), one run each")
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
@@ -69,7 +71,8 @@ def main() -> None:
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         for request in requests:
             engine.lora_manager.add(request)
-        measure("64 adapters", engine, lambda b: [requests[i % 64] for i in range(b)])
+        for count in args.adapters:
+            measure(f"{count} adapters", engine, lambda b, count=count: [requests[i % count] for i in range(b)])
 
 
 if __name__ == "__main__":
