@@ -53,12 +53,31 @@ def _bgmv_rows(pid, slots_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_le
 
 @triton.jit
 def _rows_dot(w, v, GROUP: tl.constexpr):
-    """float32 w[n, b] . v per row of w, for one vector v[b] (GROUP 1: [n]) or a group's v[GROUP, b] ([GROUP, n]):
-    CUDA-core math, a group being too short for a tensor-core dot."""
+    """float32 w . v along the last axis for each row of w: w[n, b] and one vector v[b] (GROUP 1, giving [n]), or
+    w[1, n, b] and a group's v[GROUP, 1, b] (giving [GROUP, n]). CUDA-core math, a group being too short for a
+    tensor-core dot. Grouped operands are loaded 3-D so that their loads keep the layout the product needs."""
     if GROUP == 1:
         return tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], axis=1)
     else:
-        return tl.sum(w.to(tl.float32)[None, :, :] * v.to(tl.float32)[:, None, :], axis=2)
+        return tl.sum(w.to(tl.float32) * v.to(tl.float32), axis=2)
+
+
+@triton.jit
+def _per_row(t, GROUP: tl.constexpr):
+    """A group's [GROUP, 1] column as [GROUP, 1, 1], a leading axis for `_rows_dot`; a scalar (GROUP 1) as is."""
+    if GROUP == 1:
+        return t
+    else:
+        return t[:, :, None]
+
+
+@triton.jit
+def _shared(t, GROUP: tl.constexpr):
+    """A [n, 1] column of weight rows as [1, n, 1], the same rows for each of a group's tokens; as is for GROUP 1."""
+    if GROUP == 1:
+        return t
+    else:
+        return t[None, :, :]
 
 
 @triton.jit
@@ -89,19 +108,21 @@ def _shrink_bgmv_kernel(
         a_ptr = a1_ptr
     else:
         a_ptr = a2_ptr
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
-    x_rows = x_ptr + rows * stride_xt
+    a_rows = _shared(a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K, GROUP)
+    a_live = _shared(r_mask[:, None], GROUP)
+    x_rows = _per_row(x_ptr + rows * stride_xt, GROUP)
+    x_live = _per_row(live, GROUP)
     k_lo = ks * k_per_split
     hv = tl.zeros(h_ptrs.shape, dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xv = tl.load(x_rows + offs_k, mask=live, other=0.0)
-            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None], other=0.0)
+            xv = tl.load(x_rows + offs_k, mask=x_live, other=0.0)
+            av = tl.load(a_rows + offs_k, mask=a_live, other=0.0)
         else:
             k_mask = offs_k < K
-            xv = tl.load(x_rows + offs_k, mask=live & k_mask, other=0.0)
-            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            xv = tl.load(x_rows + offs_k, mask=x_live & k_mask, other=0.0)
+            av = tl.load(a_rows + offs_k, mask=a_live & k_mask, other=0.0)
         hv += _rows_dot(av, xv, GROUP)
     if SPLIT_K == 1:
         tl.store(h_ptrs, hv, mask=h_mask)
@@ -209,11 +230,14 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr, GROUP: tl.con
         acc = tl.zeros(rows.shape, dtype=tl.float32)
     else:
         acc = tl.zeros([GROUP, rows.shape[0]], dtype=tl.float32)
+    b_rows = _shared(b_ptr + rows[:, None] * R, GROUP)
+    b_live = _shared(mask[:, None], GROUP)
+    h_row = _per_row(h_row, GROUP)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
-        bv = tl.load(b_ptr + rows[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
+        bv = tl.load(b_rows + offs_r, mask=b_live & r_mask, other=0.0)
         acc += _rows_dot(bv, hv, GROUP)
     return acc
 
