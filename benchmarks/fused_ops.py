@@ -91,11 +91,15 @@ LORA_VARIANTS: dict[str, list[LoRAOpConfig]] = {
 }
 
 
-# Launch shapes that the grouped rows (`--group`) time beside a group's default, made from it.
+# Launch shapes that the grouped rows (`--group`) time beside a group's default, made from it: wider and narrower
+# steps, fewer and more warps (a step's registers per thread go with its rows x columns / threads).
 GROUP_VARIANTS: dict[str, Callable[[LoRAOpConfig], list[LoRAOpConfig]]] = {
-    "add_rms_norm": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, chunk=max(1, d.chunk // 2), num_warps=16)],
-    "silu_and_mul": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, num_warps=4)],
-    "rotary_and_write_kv": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, num_warps=4)],
+    "add_rms_norm": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, chunk=max(1, d.chunk // 2)),
+                               replace(d, chunk=max(1, d.chunk // 2), num_warps=16)],
+    "silu_and_mul": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, chunk=max(1, d.chunk // 2)),
+                               replace(d, num_warps=4)],
+    "rotary_and_write_kv": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, num_warps=max(1, d.num_warps // 2)),
+                                      replace(d, num_warps=min(32, 2 * d.num_warps))],
 }
 
 

@@ -56,25 +56,25 @@ class LoRAOpConfig:
 # Group 1: winners of `benchmarks/fused_ops.py --tokens 64 128 --lora-only` on an H200 (Llama-3-8B shapes,
 # 64 adapters at rank 16; triton 3.6), 2026-11-29, us at 64 / 128 tokens against the BGMV expand followed by
 # the op: add_rms_norm 4.8 / 5.4 against 5.2 / 6.7, silu_and_mul 13.7 / 25.1 against 15.4 / 27.3, rotary and
-# KV write 4.2 / 6.5 against 6.8 / 8.8. Larger groups: [group, columns] chunks kept near the one-token
-# variant's registers per thread, not yet measured (`benchmarks/fused_ops.py --group 1 2 4 8`).
-# (op name, group) -> config
+# KV write 4.2 / 6.5 against 6.8 / 8.8. Larger groups: not yet measured (`benchmarks/fused_ops.py --group 1 2
+# 4 8`); [group, columns] chunks sized so that the sm_90 code spills no registers (rotary at 16 aside). A group's
+# entry may have group 1: that op then runs per token on the step's grouped metadata. (op, group) -> config
 LORA_CONFIGS: dict[tuple[str, int], LoRAOpConfig] = {
     ("add_rms_norm", 1): LoRAOpConfig(chunk=4096, block_r=16, num_warps=32),
     ("add_rms_norm", 2): LoRAOpConfig(chunk=1024, block_r=16, num_warps=32, group=2),
     ("add_rms_norm", 4): LoRAOpConfig(chunk=512, block_r=16, num_warps=32, group=4),
     ("add_rms_norm", 8): LoRAOpConfig(chunk=256, block_r=16, num_warps=32, group=8),
-    ("add_rms_norm", 16): LoRAOpConfig(chunk=128, block_r=16, num_warps=32, group=16),
+    ("add_rms_norm", 16): LoRAOpConfig(chunk=64, block_r=16, num_warps=32, group=16),
     ("silu_and_mul", 1): LoRAOpConfig(chunk=256, block_r=16, num_warps=4, chunks_per_program=1),
     ("silu_and_mul", 2): LoRAOpConfig(chunk=256, block_r=16, num_warps=8, group=2),
     ("silu_and_mul", 4): LoRAOpConfig(chunk=128, block_r=16, num_warps=8, group=4),
     ("silu_and_mul", 8): LoRAOpConfig(chunk=64, block_r=16, num_warps=8, group=8),
     ("silu_and_mul", 16): LoRAOpConfig(chunk=32, block_r=16, num_warps=8, group=16),
     ("rotary_and_write_kv", 1): LoRAOpConfig(chunk=4, block_r=16, num_warps=4),
-    ("rotary_and_write_kv", 2): LoRAOpConfig(chunk=4, block_r=16, num_warps=8, group=2),
-    ("rotary_and_write_kv", 4): LoRAOpConfig(chunk=2, block_r=16, num_warps=8, group=4),
-    ("rotary_and_write_kv", 8): LoRAOpConfig(chunk=1, block_r=16, num_warps=8, group=8),
-    ("rotary_and_write_kv", 16): LoRAOpConfig(chunk=1, block_r=16, num_warps=8, group=16),
+    ("rotary_and_write_kv", 2): LoRAOpConfig(chunk=4, block_r=16, num_warps=16, group=2),
+    ("rotary_and_write_kv", 4): LoRAOpConfig(chunk=2, block_r=16, num_warps=16, group=4),
+    ("rotary_and_write_kv", 8): LoRAOpConfig(chunk=1, block_r=16, num_warps=16, group=8),
+    ("rotary_and_write_kv", 16): LoRAOpConfig(chunk=1, block_r=16, num_warps=32, group=16),
 }
 
 

@@ -400,23 +400,26 @@ def test_a_delta_of_other_widths_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h():
-    """The kernels read slots and h from device tensors: a graph replays with what the next step wrote."""
+@pytest.mark.parametrize("group", [1, 4])
+def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h(group):
+    """The kernels read slots, tiles and h from device tensors: a graph replays with what the next step wrote."""
     from kernels import fused_triton
 
-    x, residual, weight, lora = _norm_inputs(torch.bfloat16, True)
-    gate_up, gate_up_lora = _silu_inputs(torch.bfloat16)
+    slots = PATTERNS["long_runs"]
+    x, residual, weight, lora = _norm_inputs(torch.bfloat16, True, slots, block_m=group)
+    gate_up, gate_up_lora = _silu_inputs(torch.bfloat16, slots)
     gate_up_lora = LoRADelta(gate_up_lora.h, gate_up_lora.b_slices, lora.meta)  # one metadata per step
 
     def step():
-        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, lora),
-                fused_triton.silu_and_mul(gate_up, gate_up_lora))
+        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, lora,
+                                           config=fused_triton.lora_config("add_rms_norm", group)),
+                fused_triton.silu_and_mul(gate_up, gate_up_lora, config=fused_triton.lora_config("silu_and_mul", group)))
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    next_slots = torch.tensor(list(reversed(SLOTS)), dtype=torch.int32, device=DEVICE)
+    next_slots = torch.tensor(list(reversed(slots)), dtype=torch.int32, device=DEVICE)
     prepare_lora_metadata(next_slots, NUM_SLOTS, out=lora.meta)
     for d in (lora, gate_up_lora):
         d.h.copy_(d.h.flip(1))
