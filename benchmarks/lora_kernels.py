@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from kernels import LoRAMetadata, lora_triton, lora_tuning, prepare_lora_metadata  # noqa: E402
-from kernels.lora_tuning import ExpandConfig, ShrinkConfig  # noqa: E402
+from kernels.lora_tuning import ExpandConfig, ShrinkConfig, grouped  # noqa: E402
 
 NUM_SLOTS = 64
 DTYPE = torch.bfloat16
@@ -363,8 +363,8 @@ def install(shrink: dict, expand: dict, *, bgmv_group: int | None = None, sgmv_b
         lora_tuning.BGMV_GROUP = bgmv_group
     if sgmv_block_m is not None:
         lora_tuning.SGMV_BLOCK_M = sgmv_block_m
-    lora_tuning.shrink_config.cache_clear()
-    lora_tuning.expand_config.cache_clear()
+    lora_tuning.table_shrink_config.cache_clear()
+    lora_tuning.table_expand_config.cache_clear()
 
 
 def bgmv_candidates(group: int) -> tuple[list[ShrinkConfig], list[ExpandConfig]]:
@@ -444,14 +444,6 @@ def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 
     install(shrink, expand, bgmv_group=out["bgmv_group"], sgmv_block_m=out["block_m"])
     bench.timer.iters = iters
     return {**out, "shrink": shrink, "expand": expand}
-
-
-def grouped(cfg: ShrinkConfig | ExpandConfig, group: int) -> ShrinkConfig | ExpandConfig:
-    """A one-token config made for group G: its K (shrink) or column (expand) block divided by G, so that a
-    program holds as many products as before (the table's 16384-wide blocks spill at G 4)."""
-    if isinstance(cfg, ShrinkConfig):
-        return replace(cfg, group=group, block_k=max(64, cfg.block_k // group))
-    return replace(cfg, group=group, block_n=max(64, cfg.block_n // group))
 
 
 def group_tables(group: int, shrink: dict, expand: dict, by_group: dict) -> tuple[dict, dict]:

@@ -80,8 +80,8 @@ LORA_CONFIGS: dict[tuple[str, int], LoRAOpConfig] = {
 
 def lora_config(op: str, group: int | None = None) -> LoRAOpConfig:
     """The launch shape of `op`'s LoRA variant for `group` tokens per program; by default the per-token LoRA
-    kernels' (`lora_tuning.BGMV_GROUP`), whose metadata the step's fused ops share."""
-    group = lora_tuning.BGMV_GROUP if group is None else group
+    kernels' (`lora_tuning.bgmv_group()`), whose metadata the step's fused ops share."""
+    group = lora_tuning.bgmv_group() if group is None else group
     if (op, group) not in LORA_CONFIGS:
         known = sorted(g for name, g in LORA_CONFIGS if name == op)
         raise ValueError(f"no {op} LoRA launch shape for group {group}; groups: {known}")
