@@ -19,6 +19,7 @@ from benchmarks.serving import (  # noqa: E402
     SHAPES, build_engine, bytes_floor_ms, decode_step_profile, make_adapters, make_model_dir, release_gpu_memory,
 )
 from engine import LoRARequest  # noqa: E402
+from engine.config import CUDAGRAPH_MODES  # noqa: E402
 
 
 def main() -> None:
@@ -31,10 +32,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", choices=("base", "lora"), default=["base", "lora"])
     parser.add_argument("--adapters", type=int, nargs="+", default=[64],
                         help="distinct adapters the rows of the lora case are spread over (1..64), one run each")
+    parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
+                        help="full_decode_only builds the engines faster; decode steps replay the same graphs")
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
-    args.cudagraph_mode = "full_and_piecewise"
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(Path(args.work), args.shape)
