@@ -50,9 +50,7 @@ class ProcessReader:
         self._closing = False
         self._broken: BaseException | None = None  # why reads can no longer be served, once they cannot
         self._restarts = 0  # since the last read that completed
-        self._start_children()
-        for _ in self._processes:
-            self._wait_until_ready()
+        self._start_children()  # their imports take seconds, paid while the engine goes on starting
         self._listener = threading.Thread(target=self._listen, name="lora-reader-results", daemon=True)
         self._listener.start()
 
@@ -66,19 +64,6 @@ class ProcessReader:
         with _main_module_hidden():
             for process in self._processes:
                 process.start()
-
-    def _wait_until_ready(self) -> None:
-        """One child's "ready". Their imports take seconds: pay them while the engine starts, not in its
-        first reads."""
-        while True:
-            try:
-                self._results.get(timeout=1.0)
-                return
-            except queue.Empty:
-                for process in self._processes:
-                    if not process.is_alive():
-                        self._stop_children(self._processes, self._jobs)
-                        raise RuntimeError(f"an adapter reader process exited at start (code {process.exitcode})")
 
     def submit(self, path: str | Path, row: int) -> Future:
         """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
@@ -129,7 +114,7 @@ class ProcessReader:
                     continue
                 if message is None:
                     break
-                if message == "ready":  # a child started by a restart
+                if message == "ready":  # a child has imported what it needs
                     continue
                 job, error = message
                 with self._lock:
