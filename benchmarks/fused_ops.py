@@ -13,14 +13,8 @@ the plain op, at 64 adapters of rank 16 with every token on a random one; one ro
 (`LoRAOpConfig`: columns or heads per step, rank block, warps), the kernel's default marked `*`. The
 check is the relative difference from expand-then-op (zero up to summation order).
 
-`--group G ...` times only +lora rows, grouped: for each token count, each adapter count of `--adapters`
-(every token on a random one of them) and each G, the ops with metadata tiles of G same-adapter tokens
-(`g<G> a<adapters>` in the row's name), G 1 in its default launch shape, larger G in theirs and a few
-others; the baseline is the expand the engine runs unfolded, on metadata of `lora_tuning.tile_rows`.
-
     python benchmarks/fused_ops.py [--tokens 64 128] [--lora-only] [--out DIR]
-    python benchmarks/fused_ops.py --group 1 2 4 8 [--adapters 1 8 64] [--tokens 64 128] [--out DIR]
-    python benchmarks/fused_ops.py --smoke [--group 1 2]    # tiny shapes; on a CPU under the Triton interpreter
+    python benchmarks/fused_ops.py --smoke     # tiny shapes; on a CPU under the Triton interpreter
 """
 from __future__ import annotations
 
@@ -28,8 +22,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -43,16 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.timing import graph_time_us  # noqa: E402
 from kernels import (  # noqa: E402
     LoRADelta,
-    LoRAMetadata,
     fused_torch,
     fused_triton,
     greedy,
     greedy_triton,
     lora_expand_slices,
-    lora_tuning,
     prepare_lora_metadata,
 )
-from kernels.fused_triton import LoRAOpConfig, lora_config  # noqa: E402
+from kernels.fused_triton import LORA_CONFIGS, LoRAOpConfig  # noqa: E402
 
 BLOCK_SIZE = 16
 MAX_GREEDY_ROWS = 256  # one row per decoding sequence
@@ -61,9 +53,6 @@ TORCH_CHAIN = "torch"
 FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
 EXPAND_THEN_OP = "expand + op"
 ADAPTERS, RANK = 64, 16
-DEFAULT_TOKENS = [1, 16, 64, 256, 2048, 8192]
-GROUP_ADAPTERS = [1, 8, 64]
-GROUP_TOKENS = [64, 128]
 
 
 @dataclass(frozen=True)
@@ -79,7 +68,7 @@ class Shapes:
 LLAMA3_8B = Shapes(4096, 14336, 32, 8, 128, 128256)
 SMOKE = Shapes(64, 96, 4, 2, 16, 512)
 
-# Launch shapes of the LoRA variants that the +lora rows time (the group-1 defaults in LORA_CONFIGS are added).
+# Launch shapes of the LoRA variants that the +lora rows time (the defaults in LORA_CONFIGS are added).
 LORA_VARIANTS: dict[str, list[LoRAOpConfig]] = {
     "add_rms_norm": [LoRAOpConfig(chunk, 16, warps) for chunk, warps in
                      [(512, 8), (1024, 8), (1024, 16), (2048, 8), (2048, 16), (4096, 16), (4096, 32)]],
@@ -91,18 +80,6 @@ LORA_VARIANTS: dict[str, list[LoRAOpConfig]] = {
 }
 
 
-# Launch shapes that the grouped rows (`--group`) time beside a group's default, made from it: wider and narrower
-# steps, fewer and more warps (a step's registers per thread go with its rows x columns / threads).
-GROUP_VARIANTS: dict[str, Callable[[LoRAOpConfig], list[LoRAOpConfig]]] = {
-    "add_rms_norm": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, chunk=max(1, d.chunk // 2)),
-                               replace(d, chunk=max(1, d.chunk // 2), num_warps=16)],
-    "silu_and_mul": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, chunk=max(1, d.chunk // 2)),
-                               replace(d, num_warps=4)],
-    "rotary_and_write_kv": lambda d: [replace(d, chunk=2 * d.chunk), replace(d, num_warps=max(1, d.num_warps // 2)),
-                                      replace(d, num_warps=min(32, 2 * d.num_warps))],
-}
-
-
 @dataclass
 class Case:
     """One op at one token count: the code it replaces, the Triton kernel, and its check."""
@@ -111,7 +88,6 @@ class Case:
     run_baseline: Callable[[], object]
     run_triton: Callable[[], object]
     check: Callable[[], float]
-    labels: dict = field(default_factory=dict)  # extra fields of its row (a grouped row's group and adapters)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -167,20 +143,15 @@ class Inputs:
         return tuple(torch.zeros(self.num_blocks, BLOCK_SIZE, s.kv_heads, s.head_dim, device=self.x.device,
                                  dtype=DTYPE) for _ in range(2))
 
-    def lora(self, widths: list[int], seed: int, adapters: int = ADAPTERS) -> LoRADelta:
-        """Every token on a random one of `adapters` adapters of rank RANK, h as the shrink leaves it; metadata
-        as the engine makes it for this many tokens."""
+    def lora(self, widths: list[int], seed: int) -> LoRADelta:
+        """Every token on a random one of ADAPTERS adapters of rank RANK, h as the shrink leaves it."""
         device = self.x.device
         gen = torch.Generator(device=device).manual_seed(seed)
-        slots = torch.randint(0, adapters, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
+        adapters = torch.randint(0, ADAPTERS, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
         h = torch.randn(len(widths), self.tokens, RANK, device=device, generator=gen)
-        b_slices = tuple(torch.randn(adapters, w, RANK, device=device, generator=gen).div(RANK).to(DTYPE)
+        b_slices = tuple(torch.randn(ADAPTERS, w, RANK, device=device, generator=gen).div(RANK).to(DTYPE)
                          for w in widths)
-        return LoRADelta(h, b_slices, self.metadata(slots, adapters, lora_tuning.tile_rows(self.tokens)))
-
-    def metadata(self, slots: torch.Tensor, adapters: int, block_m: int) -> LoRAMetadata:
-        meta = LoRAMetadata.empty(self.tokens, adapters, self.x.device, block_m=block_m)
-        return prepare_lora_metadata(slots, adapters, out=meta)
+        return LoRADelta(h, b_slices, prepare_lora_metadata(adapters, ADAPTERS))
 
 
 def _cases(inp: Inputs) -> dict[str, Case]:
@@ -241,34 +212,20 @@ def _expand(y: torch.Tensor, lora: LoRADelta) -> torch.Tensor:
     return y
 
 
-def _variants(op: str, group: int | None, adapters: int) -> list[tuple[str, LoRAOpConfig]]:
-    """(row name, launch shape) of the +lora rows: without a group the LORA_VARIANTS beside the one-token
-    default; group 1 its default alone; a larger group its default and the GROUP_VARIANTS of it."""
-    if group is None:
-        default, prefix = lora_config(op, 1), f"{op}+lora"
-        configs = [default] + [c for c in LORA_VARIANTS[op] if c != default]
-    else:
-        default, prefix = lora_config(op, group), f"{op}+lora g{group} a{adapters}"
-        configs = [default] + ([] if group == 1 else [c for c in GROUP_VARIANTS[op](default) if c != default])
-    return [(f"{prefix} c{c.chunk}x{c.chunks_per_program} r{c.block_r} w{c.num_warps}{'*' if c == default else ''}",
+def _variants(op: str) -> list[tuple[str, LoRAOpConfig]]:
+    default = LORA_CONFIGS[op]
+    configs = [default] + [c for c in LORA_VARIANTS[op] if c != default]
+    return [(f"{op}+lora c{c.chunk}x{c.chunks_per_program} r{c.block_r} w{c.num_warps}{'*' if c == default else ''}",
              c) for c in configs]
 
 
-def _regrouped(inp: Inputs, lora: LoRADelta, group: int | None, adapters: int) -> LoRADelta:
-    """The delta on metadata of `group`-row tiles (as it is without a group)."""
-    if group is None:
-        return lora
-    return LoRADelta(lora.h, lora.b_slices, inp.metadata(lora.meta.slots[:inp.tokens], adapters, group))
-
-
-def _lora_cases(inp: Inputs, adapters: int = ADAPTERS, groups: Sequence[int | None] = (None,)) -> dict[str, Case]:
-    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op;
-    every token on one of `adapters` adapters, the folded ops on metadata of each group's tiles."""
+def _lora_cases(inp: Inputs) -> dict[str, Case]:
+    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op."""
     x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
     cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
-    hidden_lora = inp.lora([inp.shapes.hidden], seed=1, adapters=adapters)
-    gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2, adapters=adapters)
-    qkv_lora = inp.lora(inp.qkv_widths, seed=3, adapters=adapters)
+    hidden_lora = inp.lora([inp.shapes.hidden], seed=1)
+    gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2)
+    qkv_lora = inp.lora(inp.qkv_widths, seed=3)
     x_scratch, gate_up_scratch, qkv_scratch = x.clone(), gate_up.clone(), qkv.clone()
     q, k, v = inp.qkv_views(qkv_scratch)
     k_cache, v_cache = inp.caches()
@@ -283,56 +240,47 @@ def _lora_cases(inp: Inputs, adapters: int = ADAPTERS, groups: Sequence[int | No
         _expand(qkv_scratch, qkv_lora)
         fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
 
-    def norm(config: LoRAOpConfig, lora: LoRADelta):
-        return fused_triton.add_rms_norm(x, residual, weight, 1e-5, lora, config=config)
+    def check_norm(config: LoRAOpConfig) -> float:
+        got = fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, config=config)
+        want = fused_triton.add_rms_norm(_expand(x.clone(), hidden_lora), residual, weight, 1e-5)
+        return max(_rel(a, b) for a, b in zip(got, want))
 
-    def silu(config: LoRAOpConfig, lora: LoRADelta):
-        return fused_triton.silu_and_mul(gate_up, lora, config=config)
+    def check_silu(config: LoRAOpConfig) -> float:
+        got = fused_triton.silu_and_mul(gate_up, gate_up_lora, config=config)
+        return _rel(got, fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
 
-    def rotary(config: LoRAOpConfig, lora: LoRADelta):
-        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots, lora, config=config)
-
-    def check_norm(config: LoRAOpConfig, lora: LoRADelta) -> float:
-        want = fused_triton.add_rms_norm(_expand(x.clone(), lora), residual, weight, 1e-5)
-        return max(_rel(a, b) for a, b in zip(norm(config, lora), want))
-
-    def check_silu(config: LoRAOpConfig, lora: LoRADelta) -> float:
-        return _rel(silu(config, lora), fused_triton.silu_and_mul(_expand(gate_up.clone(), lora)))
-
-    def check_rotary(config: LoRAOpConfig, lora: LoRADelta) -> float:
+    def check_rotary(config: LoRAOpConfig) -> float:
         results = []
         for fold in (True, False):
             buffer, caches = qkv.clone(), inp.caches()
             if not fold:
-                _expand(buffer, lora)
+                _expand(buffer, qkv_lora)
             fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
-                                             lora if fold else None, config=config)
+                                             qkv_lora if fold else None, config=config)
             results.append((buffer, *caches))
         return max(_rel(a, b) for a, b in zip(*results))
 
-    ops = {"add_rms_norm": (hidden_lora, expand_then_norm, norm, check_norm),
-           "silu_and_mul": (gate_up_lora, expand_then_silu, silu, check_silu),
-           "rotary_and_write_kv": (qkv_lora, expand_then_rotary, rotary, check_rotary)}
     cases = {}
-    for group in groups:
-        labels = {} if group is None else {"group": group, "adapters": adapters}
-        for op, (lora, baseline, run, check) in ops.items():
-            folded = _regrouped(inp, lora, group, adapters)
-            for name, config in _variants(op, group, adapters):
-                cases[name] = Case(EXPAND_THEN_OP, baseline, lambda c=config, d=folded, f=run: f(c, d),
-                                   lambda c=config, d=folded, f=check: f(c, d), labels)
+    for name, config in _variants("add_rms_norm"):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_norm,
+                           lambda c=config: fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, config=c),
+                           lambda c=config: check_norm(c))
+    for name, config in _variants("silu_and_mul"):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_silu,
+                           lambda c=config: fused_triton.silu_and_mul(gate_up, gate_up_lora, config=c),
+                           lambda c=config: check_silu(c))
+    for name, config in _variants("rotary_and_write_kv"):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_rotary,
+                           lambda c=config: fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache,
+                                                                             v_cache, slots, qkv_lora, config=c),
+                           lambda c=config: check_rotary(c))
     return cases
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, nargs="*",
-                        help=f"token counts (default {DEFAULT_TOKENS}; with --group {GROUP_TOKENS})")
+    parser.add_argument("--tokens", type=int, nargs="*", default=[1, 16, 64, 256, 2048, 8192])
     parser.add_argument("--lora-only", action="store_true", help="only the +lora rows")
-    parser.add_argument("--group", type=int, nargs="+", metavar="G",
-                        help="only grouped +lora rows: the fused ops on metadata tiles of each G same-adapter tokens")
-    parser.add_argument("--adapters", type=int, nargs="+", default=GROUP_ADAPTERS,
-                        help=f"with --group: adapter counts the tokens spread over (default {GROUP_ADAPTERS})")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU (Triton interpreter)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -340,30 +288,22 @@ def main() -> None:
     shapes = SMOKE if args.smoke else LLAMA3_8B
     if args.smoke:
         args.tokens = [3]
-    elif not args.tokens:
-        args.tokens = GROUP_TOKENS if args.group else DEFAULT_TOKENS
-    width = 50 if args.group else 44
-    rep_ms = 20 if args.group else 50  # the grouped table has ~200 rows: one device call of about 3 minutes
     rows = []
-    print(f"{'op':<{width}}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
+    print(f"{'op':<44}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
     for tokens in args.tokens:
         inp = Inputs.random(shapes, tokens, device)
-        if args.group:
-            cases = {name: case for adapters in args.adapters
-                     for name, case in _lora_cases(inp, adapters, args.group).items()}
-        else:
-            cases = {} if args.lora_only else _cases(inp)
-            cases.update(_lora_cases(inp))
+        cases = {} if args.lora_only else _cases(inp)
+        cases.update(_lora_cases(inp))
         baseline_us: dict[Callable, float] = {}
         for name, case in cases.items():
             err = case.check()
             if case.run_baseline not in baseline_us:
-                baseline_us[case.run_baseline] = graph_time_us(case.run_baseline, device, rep_ms=rep_ms, cpu_calls=2)
+                baseline_us[case.run_baseline] = graph_time_us(case.run_baseline, device, rep_ms=50, cpu_calls=2)
             before = baseline_us[case.run_baseline]
-            triton_us = graph_time_us(case.run_triton, device, rep_ms=rep_ms, cpu_calls=2)
+            triton_us = graph_time_us(case.run_triton, device, rep_ms=50, cpu_calls=2)
             rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=before, triton_us=triton_us,
-                             rel_err=err, **case.labels))
-            print(f"{name:<{width}}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"
+                             rel_err=err))
+            print(f"{name:<44}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"
                   f"{err:>10.1e}  {case.baseline}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

@@ -8,22 +8,12 @@ from HBM as they would in a real step; the time is the median of CUDA-event timi
 The floor is the bytes that must move (x once, each distinct adapter's A and B once, h,
 y read and written once) over the HBM bandwidth measured here with a large copy.
 
-    python benchmarks/lora_kernels.py --out DIR [--sweep [all|bgmv]] [--group G [G ...]] [--budget-s S]
+    python benchmarks/lora_kernels.py --out DIR [--sweep] [--budget-s S]
 
 `--sweep` first times candidate launch configs per shape class and uses the winners (it
-prints them as the table for `kernels/lora_tuning.py`); `--sweep bgmv` sweeps the per-token
-classes only, and a sweep covers the ranks 16 and 64 that `--ranks` names (both if it names
-neither). The per-token (BGMV) candidates include groups G of 1, 2, 4 and 8 same-slot tokens
-per program, each timed on metadata with tiles of G rows; the G of the least total wins.
-`--group G ...` runs only the per-token rows of the table, once per G, with metadata tiles of
-G rows and the G configs (the sweep's winners for G, else the table's, `grouped` for G), so
-one call compares the group sizes row by row:
-
-    python benchmarks/lora_kernels.py --ranks 16 --sweep bgmv --group 1 2 4 8 --budget-s 200 --out DIR
-
-Results go to DIR/lora_kernels.json and DIR/lora_kernels.md as they come; a short per-layer
-table is printed last. Without CUDA (`TRITON_INTERPRET=1`, `--smoke`) it runs tiny shapes to
-check the script itself.
+prints them as the table for `kernels/lora_tuning.py`). Results go to DIR/lora_kernels.json and
+DIR/lora_kernels.md as they come; a short per-layer table is printed last. Without CUDA
+(`TRITON_INTERPRET=1`, `--smoke`) it runs tiny shapes to check the script itself.
 """
 
 from __future__ import annotations
@@ -46,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from kernels import LoRAMetadata, lora_triton, lora_tuning, prepare_lora_metadata  # noqa: E402
-from kernels.lora_tuning import ExpandConfig, ShrinkConfig, grouped  # noqa: E402
+from kernels.lora_tuning import ExpandConfig, ShrinkConfig  # noqa: E402
 
 NUM_SLOTS = 64
 DTYPE = torch.bfloat16
@@ -79,19 +69,6 @@ BGMV_EXPAND = [
     ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=1, n_blocks=g)
     for bn, br, w, g in [(64, 64, 2, 1), (256, 32, 4, 1), (256, 64, 4, 1), (512, 16, 4, 1), (128, 64, 4, 2),
                          (256, 64, 8, 2), (128, 64, 4, 4), (512, 64, 8, 1)]
-]
-# Grouped per-token candidates (G > 1): a program's registers grow with G x block_r x block_k (shrink) and
-# G x block_n x min(block_r, rank) (expand), so their tiles are smaller than the one-token ones.
-BGMV_GROUPS = [1, 2, 4, 8]
-BGMV_GROUP_SHRINK = [
-    ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=1)
-    for br, bk, sk, w in [(1, 4096, 1, 4), (2, 4096, 1, 8), (1, 2048, 1, 4), (2, 2048, 1, 8), (4, 1024, 1, 8),
-                          (2, 2048, 2, 4)]
-]
-BGMV_GROUP_EXPAND = [
-    ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=1, n_blocks=g)
-    for bn, br, w, g in [(64, 16, 4, 1), (128, 16, 4, 1), (256, 16, 8, 1), (128, 32, 8, 1), (64, 64, 4, 1),
-                         (128, 16, 4, 2)]
 ]
 SGMV_BLOCK_M = [32, 64, 128]
 SGMV_SHRINK_SMALL = [
@@ -166,7 +143,6 @@ class Scenario:
     rank: int
     tokens: int
     adapters: int
-    group: int = 0  # --group: per-token programs serve this many same-slot tokens; 0: as the table says
 
     @property
     def kind(self) -> str:
@@ -174,12 +150,7 @@ class Scenario:
 
     @property
     def label(self) -> str:
-        return f"r{self.rank} T{self.tokens} A{self.adapters}" + (f" G{self.group}" if self.group else "")
-
-
-def tile_height(path: str, tokens: int) -> int:
-    """The metadata block_m the engine gives a batch of `tokens` on `path` (`lora_tuning.tile_rows` on its own)."""
-    return lora_tuning.BGMV_GROUP if path == "bgmv" else lora_tuning.sgmv_block_m(tokens)
+        return f"r{self.rank} T{self.tokens} A{self.adapters}"
 
 
 def assign_slots(tokens: int, adapters: int) -> torch.Tensor:
@@ -216,7 +187,6 @@ class Result:
     tokens: int
     adapters: int
     path: str
-    group: int = 0
     rel_err: float = math.nan
     layer_us: float = math.nan
     floor_us: float = math.nan
@@ -242,7 +212,6 @@ class Bench:
         self.weights: dict[int, Weights] = {}
         self.base_w = {g.name: rand(sum(g.widths), g.k, scale=g.k ** -0.5) for g in groups}
         self.base_cache: dict[int, float] = {}
-        self.other_cache: dict[tuple[int, int, int], float] = {}
 
     def weights_for(self, rank: int) -> Weights:
         if rank not in self.weights:
@@ -255,7 +224,7 @@ class Bench:
         nbytes = (shrink_bytes if op == "shrink" else expand_bytes)(g, sc.tokens, used, sc.rank)
         return nbytes / self.bandwidth * 1e6
 
-    def buffers(self, sc: Scenario, block_m: int):
+    def buffers(self, sc: Scenario, block_m: int | None = None):
         meta = prepare_lora_metadata(
             assign_slots(sc.tokens, sc.adapters), NUM_SLOTS,
             out=LoRAMetadata.empty(sc.tokens, NUM_SLOTS, DEVICE, block_m=block_m),
@@ -268,7 +237,7 @@ class Bench:
     def check(self, sc: Scenario, path: str) -> float:
         """Largest relative error of the bf16 LoRA delta (shrink then expand) against float64, over the groups."""
         w = self.weights_for(sc.rank)
-        meta, xs, ys, hs = self.buffers(sc, tile_height(path, sc.tokens))
+        meta, xs, ys, hs = self.buffers(sc)
         slots = meta.slots[: sc.tokens].long()
         worst = 0.0
         for g in self.groups:
@@ -321,21 +290,12 @@ class Bench:
             self.base_cache[tokens] = self.timer(run)
         return self.base_cache[tokens]
 
-    def other_path_us(self, sc: Scenario, path: str) -> float:
-        """The layer on the other kernel family (the same for every --group G of a row)."""
-        key = (sc.rank, sc.tokens, sc.adapters)
-        if key not in self.other_cache:
-            other = "sgmv" if path == "bgmv" else "bgmv"
-            buffers = self.buffers(sc, tile_height(other, sc.tokens))
-            self.other_cache[key] = self.timer(self.layer_fn(sc, other, buffers))
-        return self.other_cache[key]
-
     def scenario(self, sc: Scenario) -> Result:
         path = lora_tuning.choose_path(sc.tokens)
-        res = Result(sc.label, sc.kind, sc.rank, sc.tokens, sc.adapters, path, sc.group)
+        res = Result(sc.label, sc.kind, sc.rank, sc.tokens, sc.adapters, path)
         try:
             res.rel_err = self.check(sc, path)
-            buffers = self.buffers(sc, tile_height(path, sc.tokens))
+            buffers = self.buffers(sc)
             res.floor_us = sum(self.floor_us(g, sc, op) for g in self.groups for op in ("shrink", "expand"))
             for g in self.groups:
                 for op in ("shrink", "expand"):
@@ -344,7 +304,8 @@ class Bench:
             res.layer_us = self.timer(self.layer_fn(sc, path, buffers))
             res.base_us = self.base_us(sc.tokens)
             if sc.kind == "decode" and sc.tokens >= 16:
-                res.other_path_us = self.other_path_us(sc, path)
+                other = "sgmv" if path == "bgmv" else "bgmv"
+                res.other_path_us = self.timer(self.layer_fn(sc, other, buffers))
         except Exception:  # noqa: BLE001 - one broken shape must not lose the table
             res.error = traceback.format_exc(limit=3)[-800:]
         return res
@@ -353,33 +314,10 @@ class Bench:
 # ---------------------------------------------------------------- sweep
 
 
-def install(shrink: dict, expand: dict, *, bgmv_group: int | None = None, sgmv_block_m: int | None = None) -> None:
-    """Make `lora_tuning` answer from these tables (and tile heights) for the rest of the run."""
-    lora_tuning._SHRINK.clear()
-    lora_tuning._SHRINK.update(shrink)
-    lora_tuning._EXPAND.clear()
-    lora_tuning._EXPAND.update(expand)
-    if bgmv_group is not None:
-        lora_tuning.BGMV_GROUP = bgmv_group
-    if sgmv_block_m is not None:
-        lora_tuning.SGMV_BLOCK_M = sgmv_block_m
-    lora_tuning.table_shrink_config.cache_clear()
-    lora_tuning.table_expand_config.cache_clear()
+def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 64)) -> dict:
+    """Time candidate configs per shape class, install the winners for the rest of the run and return them.
 
-
-def bgmv_candidates(group: int) -> tuple[list[ShrinkConfig], list[ExpandConfig]]:
-    if group == 1:
-        return BGMV_SHRINK, BGMV_EXPAND
-    return [replace(c, group=group) for c in BGMV_GROUP_SHRINK], [replace(c, group=group) for c in BGMV_GROUP_EXPAND]
-
-
-def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 64),
-          paths: tuple[str, ...] = ("bgmv", "sgmv")) -> dict:
-    """Time candidate configs per shape class of `paths`, install the winners for the rest of the run and return them.
-
-    `classes` maps "bgmv", "sgmv_small", "sgmv" to the (tokens, adapters) scenarios that score them. Per-token
-    candidates run for each group G (metadata tiles of G rows); the G of the least total wins the class, and the
-    winners of every G are returned too (`bgmv_by_group`, keyed as the table), for `--group` runs.
+    `classes` maps "bgmv", "sgmv_small", "sgmv" to the (tokens, adapters) scenarios that score them.
     """
     groups = {g.name: g for g in bench.groups}
     iters, bench.timer.iters = bench.timer.iters, 10
@@ -403,10 +341,9 @@ def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 
         return cfg, us
 
     def tune(path: str, block_m: int, shrink_cands, expand_cands, scenarios) -> float:
-        """Winners keyed by (path, block_m: the tiles they were timed on, ...); the total of their times."""
         total = 0.0
         for rank in ranks:
-            sets = [(sc, bench.buffers(sc, block_m)) for sc in (Scenario(rank, t, a) for t, a in scenarios)]
+            sets = [(sc, bench.buffers(sc, block_m or None)) for sc in (Scenario(rank, t, a) for t, a in scenarios)]
             label = f"{path} block_m={block_m} r{rank}"
             for multi, names in ((True, ["qkv"]), (False, ["down"])):
                 cfg, us = best(shrink_cands, "shrink", path, names, sets, rank, label)
@@ -417,47 +354,26 @@ def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 
             total += us
         return total
 
-    def as_table(wins: dict, path: str, block_m: int, table_m: int) -> dict:
-        return {(path, table_m, *k[2:]): v for k, v in wins.items() if k[:2] == (path, block_m)}
-
-    shrink, expand = dict(lora_tuning._SHRINK), dict(lora_tuning._EXPAND)
-    out: dict = {"bgmv_group": lora_tuning.BGMV_GROUP, "block_m": lora_tuning.SGMV_BLOCK_M, "bgmv_by_group": {}}
-    if "bgmv" in paths:
-        totals = {g: tune("bgmv", g, *bgmv_candidates(g), classes["bgmv"]) for g in BGMV_GROUPS}
-        out["bgmv_group"] = min(totals, key=totals.get)
-        out["bgmv_group_totals_us"] = totals
-        out["bgmv_by_group"] = {g: (as_table(shrink_wins, "bgmv", g, 0), as_table(expand_wins, "bgmv", g, 0))
-                                for g in BGMV_GROUPS}
-        shrink.update(out["bgmv_by_group"][out["bgmv_group"]][0])
-        expand.update(out["bgmv_by_group"][out["bgmv_group"]][1])
-    if "sgmv" in paths:
-        tune("sgmv", 16, SGMV_SHRINK_SMALL, SGMV_EXPAND, classes["sgmv_small"])
-        totals = {bm: tune("sgmv", bm, SGMV_SHRINK, SGMV_EXPAND, classes["sgmv"]) for bm in SGMV_BLOCK_M}
-        out["block_m"] = min(totals, key=totals.get)
-        out["block_m_totals_us"] = totals
-        kept = {16, out["block_m"]}
-        shrink = {k: v for k, v in shrink.items() if k[0] != "sgmv" or k[1] in kept}
-        expand = {k: v for k, v in expand.items() if k[0] != "sgmv" or k[1] in kept}
-        for bm in sorted(kept):
-            shrink.update(as_table(shrink_wins, "sgmv", bm, bm))
-            expand.update(as_table(expand_wins, "sgmv", bm, bm))
-    install(shrink, expand, bgmv_group=out["bgmv_group"], sgmv_block_m=out["block_m"])
+    tune("bgmv", 0, BGMV_SHRINK, BGMV_EXPAND, classes["bgmv"])
+    tune("sgmv", 16, SGMV_SHRINK_SMALL, SGMV_EXPAND, classes["sgmv_small"])
+    totals = {bm: tune("sgmv", bm, SGMV_SHRINK, SGMV_EXPAND, classes["sgmv"]) for bm in SGMV_BLOCK_M}
+    block_m = min(totals, key=totals.get)
+    shrink_wins = {k: v for k, v in shrink_wins.items() if k[1] in (0, 16, block_m)}
+    expand_wins = {k: v for k, v in expand_wins.items() if k[1] in (0, 16, block_m)}
+    lora_tuning._SHRINK.clear()
+    lora_tuning._SHRINK.update(shrink_wins)
+    lora_tuning._EXPAND.clear()
+    lora_tuning._EXPAND.update(expand_wins)
+    lora_tuning.SGMV_BLOCK_M = block_m
+    lora_tuning.shrink_config.cache_clear()
+    lora_tuning.expand_config.cache_clear()
     bench.timer.iters = iters
-    return {**out, "shrink": shrink, "expand": expand}
-
-
-def group_tables(group: int, shrink: dict, expand: dict, by_group: dict) -> tuple[dict, dict]:
-    """The tables with the per-token entries for group G: the sweep's winner for G where it timed one, else the
-    table's config `grouped` for G."""
-    won_shrink, won_expand = by_group.get(group, ({}, {}))
-    shrink = {k: won_shrink.get(k, grouped(v, group)) if k[0] == "bgmv" else v for k, v in shrink.items()}
-    expand = {k: won_expand.get(k, grouped(v, group)) if k[0] == "bgmv" else v for k, v in expand.items()}
-    return shrink, expand
+    return {"block_m": block_m, "block_m_totals_us": totals, "shrink": shrink_wins, "expand": expand_wins}
 
 
 def table_source(winners: dict) -> str:
     """The winners as the Python literals of kernels/lora_tuning.py."""
-    lines = [f"SGMV_BLOCK_M = {winners['block_m']}", f"BGMV_GROUP = {winners['bgmv_group']}", "_SHRINK = {"]
+    lines = [f"SGMV_BLOCK_M = {winners['block_m']}", "_SHRINK = {"]
     lines += [f"    {k!r}: {v!r}," for k, v in sorted(winners["shrink"].items())]
     lines += ["}", "_EXPAND = {"]
     lines += [f"    {k!r}: {v!r}," for k, v in sorted(winners["expand"].items())]
@@ -498,54 +414,39 @@ def markdown(results: list[Result], meta: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-# (128, 32) and (128, 64): the decode graphs' top bucket in serving workloads (d) and (c)
-DECODE = [(1, 1), (16, 1), (16, 8), (64, 1), (64, 8), (64, 64), (128, 32), (128, 64), (256, 1), (256, 8), (256, 64)]
-PREFILL = [(1024, 1), (1024, 8), (1024, 64), (4096, 8), (8192, 1), (8192, 8), (8192, 64)]
-SMOKE_DECODE, SMOKE_PREFILL = [(1, 1), (16, 8), (64, 64)], [(300, 8)]
-
-
-def scenarios(ranks: list[int], smoke: bool, groups: list[int] | None = None) -> list[Scenario]:
-    """The table's rows; with `groups`, its per-token rows once per G (all G of a row before the next row)."""
-    decode, prefill = (SMOKE_DECODE, SMOKE_PREFILL) if smoke else (DECODE, PREFILL)
-    if groups:
-        return [Scenario(r, t, a, g) for r in ranks for t, a in decode if lora_tuning.choose_path(t) == "bgmv"
-                for g in groups]
+def scenarios(ranks: list[int], smoke: bool) -> list[Scenario]:
+    # (128, 32) and (128, 64): the decode graphs' top bucket in serving workloads (d) and (c)
+    decode = [(1, 1), (16, 1), (16, 8), (64, 1), (64, 8), (64, 64), (128, 32), (128, 64), (256, 1), (256, 8),
+              (256, 64)]
+    prefill = [(1024, 1), (1024, 8), (1024, 64), (4096, 8), (8192, 1), (8192, 8), (8192, 64)]
+    if smoke:
+        decode, prefill = [(1, 1), (16, 8), (64, 64)], [(300, 8)]
     first = [Scenario(16, 64, 64), Scenario(16, 8192, 8)] if not smoke else []
     rest = [Scenario(r, t, a) for r in ranks for t, a in decode + prefill]
     return first + [s for s in rest if s not in first]
 
 
-def run_sweep(bench: Bench, sweep_log: list, meta: dict, smoke: bool, which: str, ranks: list[int]) -> dict:
-    """Sweep the classes of `which` ("all" or "bgmv") at the shapes that score them, record the winners in meta and
-    return them."""
-    paths = ("bgmv", "sgmv") if which == "all" else ("bgmv",)
+def run_sweep(bench: Bench, sweep_log: list, meta: dict, smoke: bool) -> None:
+    """Sweep the classes at the shapes that score them and record the winners in meta."""
     if smoke:
-        for name in ("BGMV_SHRINK", "BGMV_EXPAND", "BGMV_GROUP_SHRINK", "BGMV_GROUP_EXPAND", "SGMV_SHRINK_SMALL",
-                     "SGMV_SHRINK", "SGMV_EXPAND"):
+        for name in ("BGMV_SHRINK", "BGMV_EXPAND", "SGMV_SHRINK_SMALL", "SGMV_SHRINK", "SGMV_EXPAND"):
             globals()[name] = globals()[name][:2]
         classes = {"bgmv": [(8, 8)], "sgmv_small": [(40, 4)], "sgmv": [(40, 4)]}
-        winners = sweep(bench, sweep_log, classes, ranks=(16,), paths=paths)
+        winners = sweep(bench, sweep_log, classes, ranks=(16,))
     else:
         # BGMV is scored at the decode graphs' top bucket too (128 tokens, serving workloads (c) and (d))
         classes = {"bgmv": [(128, 64), (64, 64), (16, 8)], "sgmv_small": [(256, 64), (256, 8)],
                    "sgmv": [(8192, 8), (1024, 64)]}
-        winners = sweep(bench, sweep_log, classes, ranks=tuple(r for r in (16, 64) if r in ranks) or (16, 64),
-                        paths=paths)
+        winners = sweep(bench, sweep_log, classes)
     meta["sweep_winners"] = table_source(winners)
-    for key in ("block_m_totals_us", "bgmv_group_totals_us"):
-        if key in winners:
-            meta[f"sweep_{key}"] = winners[key]
+    meta["sweep_block_m_totals_us"] = winners["block_m_totals_us"]
     print("sweep winners:\n" + meta["sweep_winners"], flush=True)
-    return winners
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--sweep", nargs="?", const="all", choices=["all", "bgmv"],
-                        help="time candidate configs first (bgmv: the per-token classes only) and use the winners")
-    parser.add_argument("--group", type=int, nargs="+", metavar="G",
-                        help="run only the per-token rows, once per G, with metadata tiles of G rows and G configs")
+    parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new scenarios after this")
     parser.add_argument("--iters", type=int, default=30)
@@ -566,10 +467,9 @@ def main() -> None:
     print(f"{meta['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth)
     sweep_log: list = []
-    by_group: dict = {}
     if args.sweep:
         try:
-            by_group = run_sweep(bench, sweep_log, meta, args.smoke, args.sweep, args.ranks)["bgmv_by_group"]
+            run_sweep(bench, sweep_log, meta, args.smoke)
         except Exception:  # noqa: BLE001 - without winners the committed table still gives a full run
             meta["sweep_error"] = traceback.format_exc(limit=4)
             print(meta["sweep_error"], flush=True)
@@ -582,13 +482,10 @@ def main() -> None:
         (args.out / "lora_kernels.md").write_text(markdown(results, meta))
 
     save()
-    tables = dict(lora_tuning._SHRINK), dict(lora_tuning._EXPAND)
-    for sc in scenarios(args.ranks, args.smoke, args.group):
+    for sc in scenarios(args.ranks, args.smoke):
         if time.time() - began > args.budget_s:
             print(f"budget reached; skipping {sc.label} and later", flush=True)
             break
-        if sc.group:
-            install(*group_tables(sc.group, *tables, by_group), bgmv_group=sc.group)
         res = bench.scenario(sc)
         results.append(res)
         print(f"{res.label:18} {res.path} err {res.rel_err:.1e} layer {fmt(res.layer_us)} us floor {fmt(res.floor_us)} "

@@ -126,7 +126,7 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             if self.num_lora_slots:
-                self.lora_meta[size] = kernels.LoRAMetadata.for_batch(size, self.num_lora_slots, self.input_ids.device)
+                self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
                 self._prepare_lora(size)
             step = self._step_input(size)
             with torch.inference_mode(), preferred_blas_for(size):

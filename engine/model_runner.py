@@ -39,8 +39,7 @@ class ModelRunner:
         ids, pos, _, lora_slots = rows
         lora = None
         if any(s >= 0 for s in adapter_slots):
-            meta = kernels.LoRAMetadata.for_batch(len(lora_slots), self.num_lora_slots, lora_slots.device)
-            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots, out=meta))
+            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def _pack_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],

@@ -69,7 +69,7 @@ class PiecewiseGraphs:
         ids, positions, slots = self.rows[:3, :size]
         lora = None
         if self.num_lora_slots:
-            self.lora_meta[size] = kernels.LoRAMetadata.for_batch(size, self.num_lora_slots, ids.device)
+            self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
             lora = LoRAStep(self.lora_meta[size])
         # the pieces read only the KV slots; attention, which reads the rest, runs outside them
         attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),

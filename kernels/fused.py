@@ -8,9 +8,6 @@ kernels run on the CPU, which is how CI checks them).
 Each op takes an optional `lora` (`LoRADelta`): the LoRA expand of the projection whose output it
 consumes. The op then computes as if `lora_expand_slices` had run on its input first, with the same
 rounding, and the Triton kernel adds the delta as it reads its input: one launch fewer per projection.
-When the per-token LoRA kernels run in groups (`lora_tuning.bgmv_group()` > 1, metadata made with that
-`block_m`), so do the Triton ops: a program per tile of same-adapter tokens, reading each B chunk once
-for the tile (`fused_triton.lora_config`).
 """
 from __future__ import annotations
 

@@ -53,12 +53,6 @@ class LoRAMetadata:
         return cls(0, num_slots, block_m, buf(max_tokens), buf(max_tokens), buf(num_slots + 1),
                    buf(tiles), buf(tiles), buf(tiles))
 
-    @classmethod
-    def for_batch(cls, max_tokens: int, num_slots: int, device: torch.device | str) -> LoRAMetadata:
-        """Static buffers whose tiles are as high as the kernels of a `max_tokens` batch want them
-        (`lora_tuning.tile_rows`): what a step of the engine hands its layers."""
-        return cls.empty(max_tokens, num_slots, device, block_m=lora_tuning.tile_rows(max_tokens))
-
     @property
     def capacity(self) -> int:
         return self.slots.shape[0]

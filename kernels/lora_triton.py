@@ -1,9 +1,7 @@
 """Triton multi-LoRA kernels: shrink `h = x @ A[slot]^T` and expand `y += h @ B[slot]^T`.
 
 Two paths per op, picked by batch size (`lora_tuning.choose_path`):
-- BGMV, one program per token: decode, where most tokens carry distinct adapters. With a config's `group`
-  G > 1, one program per metadata tile of up to G same-slot tokens (metadata made with `block_m` G), so the
-  adapter rows it loads serve G tokens, still with CUDA-core math; G 1 reads `slots` and ignores the tiles.
+- BGMV, one program per token: decode, where most tokens carry distinct adapters.
 - SGMV, one program per tile of same-slot tokens (from `LoRAMetadata`), a tensor-core dot
   per tile: prefill and large batches, where a tile reads its adapter once for many rows.
 Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
@@ -32,75 +30,25 @@ H_ROWS_ALIGN = 16
 
 
 @triton.jit
-def _bgmv_rows(pid, slots_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, GROUP: tl.constexpr):
-    """(slot, rows, live) of per-token program `pid`: token `pid` with its slot read from `slots` (GROUP 1), or
-    tile `pid` of the metadata, up to GROUP tokens of one slot in slot order, so each adapter row loaded serves
-    them all. Rows and live (which rows are in use) are a scalar (GROUP 1) or a [GROUP, 1] column: the callers'
-    pointer math broadcasts either way, and GROUP 1 compiles to the one-token code."""
-    if GROUP == 1:
-        slot = tl.load(slots_ptr + pid)
-        rows = pid.to(tl.int64)
-        live = tl.full([], 1, tl.int1)
-    else:
-        slot = tl.load(tile_slot_ptr + pid)
-        start = tl.load(tile_start_ptr + pid)
-        offs_m = tl.arange(0, GROUP)
-        in_tile = offs_m < tl.load(tile_len_ptr + pid)
-        rows = tl.load(order_ptr + start + offs_m, mask=in_tile, other=0).to(tl.int64)[:, None]
-        live = in_tile[:, None]
-    return slot, rows, live
-
-
-@triton.jit
-def _rows_dot(w, v, GROUP: tl.constexpr):
-    """float32 w . v along the last axis for each row of w: w[n, b] and one vector v[b] (GROUP 1, giving [n]), or
-    w[1, n, b] and a group's v[GROUP, 1, b] (giving [GROUP, n]). CUDA-core math, a group being too short for a
-    tensor-core dot. Grouped operands are loaded 3-D so that their loads keep the layout the product needs."""
-    if GROUP == 1:
-        return tl.sum(w.to(tl.float32) * v.to(tl.float32)[None, :], axis=1)
-    else:
-        return tl.sum(w.to(tl.float32) * v.to(tl.float32), axis=2)
-
-
-@triton.jit
-def _per_row(t, GROUP: tl.constexpr):
-    """A group's [GROUP, 1] column as [GROUP, 1, 1], a leading axis for `_rows_dot`; a scalar (GROUP 1) as is."""
-    if GROUP == 1:
-        return t
-    else:
-        return t[:, :, None]
-
-
-@triton.jit
-def _shared(t, GROUP: tl.constexpr):
-    """A [n, 1] column of weight rows as [1, n, 1], the same rows for each of a group's tokens; as is for GROUP 1."""
-    if GROUP == 1:
-        return t
-    else:
-        return t[None, :, :]
-
-
-@triton.jit
 def _shrink_bgmv_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    tok = tl.program_id(0)
     pid_r = tl.program_id(1)
     pid_s = tl.program_id(2)
     sl = pid_s // SPLIT_K
     ks = pid_s % SPLIT_K
     wait_for_predecessor(USE_PDL)
-    slot, rows, live = _bgmv_rows(pid, slots_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, GROUP)
+    slot = tl.load(slots_ptr + tok)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
-    h_ptrs = h_ptr + sl * stride_hn + rows * stride_ht + offs_r
-    h_mask = live & r_mask
+    h_ptrs = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht + offs_r
     if slot < 0:
         if SPLIT_K == 1:
-            tl.store(h_ptrs, tl.zeros(h_ptrs.shape, dtype=tl.float32), mask=h_mask)
+            tl.store(h_ptrs, tl.zeros([BLOCK_R], dtype=tl.float32), mask=r_mask)
         return
     if sl == 0:
         a_ptr = a0_ptr
@@ -108,26 +56,24 @@ def _shrink_bgmv_kernel(
         a_ptr = a1_ptr
     else:
         a_ptr = a2_ptr
-    a_rows = _shared(a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K, GROUP)
-    a_live = _shared(r_mask[:, None], GROUP)
-    x_rows = _per_row(x_ptr + rows * stride_xt, GROUP)
-    x_live = _per_row(live, GROUP)
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
+    x_row = x_ptr + tok.to(tl.int64) * stride_xt
     k_lo = ks * k_per_split
-    hv = tl.zeros(h_ptrs.shape, dtype=tl.float32)
+    hv = tl.zeros([BLOCK_R], dtype=tl.float32)
     for k0 in range(k_lo, k_lo + k_per_split, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
-            xv = tl.load(x_rows + offs_k, mask=x_live, other=0.0)
-            av = tl.load(a_rows + offs_k, mask=a_live, other=0.0)
+            xv = tl.load(x_row + offs_k)
+            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None], other=0.0)
         else:
             k_mask = offs_k < K
-            xv = tl.load(x_rows + offs_k, mask=x_live & k_mask, other=0.0)
-            av = tl.load(a_rows + offs_k, mask=a_live & k_mask, other=0.0)
-        hv += _rows_dot(av, xv, GROUP)
+            xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
+            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+        hv += tl.sum(av.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     if SPLIT_K == 1:
-        tl.store(h_ptrs, hv, mask=h_mask)
+        tl.store(h_ptrs, hv, mask=r_mask)
     else:
-        tl.atomic_add(h_ptrs, hv, mask=h_mask)
+        tl.atomic_add(h_ptrs, hv, mask=r_mask)
 
 
 @triton.jit
@@ -222,49 +168,40 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB
 
 
 @triton.jit
-def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr, GROUP: tl.constexpr = 1):
+def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
     """float32 h_row . B[rows]^T for one slot's B (rows of R values): the per-token expand's sum, which the
-    fused ops also add as they read a projection's output (`fused_triton`). h_row points at one token's h
-    (GROUP 1, giving [len(rows)]) or is a [GROUP, 1] column of a group's ([GROUP, len(rows)])."""
-    if GROUP == 1:
-        acc = tl.zeros(rows.shape, dtype=tl.float32)
-    else:
-        acc = tl.zeros([GROUP, rows.shape[0]], dtype=tl.float32)
-    b_rows = _shared(b_ptr + rows[:, None] * R, GROUP)
-    b_live = _shared(mask[:, None], GROUP)
-    h_row = _per_row(h_row, GROUP)
+    fused ops also add as they read a projection's output (`fused_triton`)."""
+    acc = tl.zeros(rows.shape, dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < R
         hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
-        bv = tl.load(b_rows + offs_r, mask=b_live & r_mask, other=0.0)
-        acc += _rows_dot(bv, hv, GROUP)
+        bv = tl.load(b_ptr + rows[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
+        acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
     return acc
 
 
 @triton.jit
 def _expand_bgmv_kernel(
-    h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
-    GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
+    tok = tl.program_id(0)
     j = tl.program_id(1)
     wait_for_predecessor(USE_PDL)
-    slot, rows, live = _bgmv_rows(pid, slots_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, GROUP)
+    slot = tl.load(slots_ptr + tok)
     if slot < 0:
         return
     sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, slot)
-    h_row = h_ptr + sl * stride_hn + rows * stride_ht  # a group's unused rows read token 0's h, and store nothing
-    y_row = y_ptr + rows * stride_yt + col
+    h_row = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht
+    y_row = y_ptr + tok.to(tl.int64) * stride_yt + col
     for g in range(N_BLOCKS):
         offs_n = (chunk * N_BLOCKS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < width
-        y_mask = live & n_mask
-        yv = tl.load(y_row + offs_n, mask=y_mask, other=0.0)  # issued before the B loads it waits on
-        acc = delta_rows(b_ptr, offs_n, n_mask, h_row, R, BLOCK_R, GROUP)
-        tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
+        yv = tl.load(y_row + offs_n, mask=n_mask, other=0.0)  # issued before the B loads it waits on
+        acc = delta_rows(b_ptr, offs_n, n_mask, h_row, R, BLOCK_R)
+        tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
 @triton.jit
@@ -343,23 +280,6 @@ def _check_tokens(meta: LoRAMetadata, num_tokens: int) -> None:
         raise ValueError(f"metadata was prepared for {meta.num_tokens} tokens, the input has {num_tokens}")
 
 
-def _bgmv_programs(group: int, meta: LoRAMetadata) -> int:
-    """The per-token grid's first axis: a program per token (group 1, reading `meta.slots`), or per metadata tile,
-    which must then be `group` rows high."""
-    if group == 1:
-        return meta.num_tokens
-    if group != meta.block_m:
-        raise ValueError(
-            f"a per-token (BGMV) config with group {group} needs metadata tiles of {group} rows, these have "
-            f"{meta.block_m}: make the metadata with block_m=lora_tuning.tile_rows(num_tokens)"
-        )
-    return meta.num_tiles
-
-
-def _tiles(meta: LoRAMetadata) -> tuple[torch.Tensor, ...]:
-    return meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len
-
-
 def shrink_slices(
     x: torch.Tensor,
     a_slices: Sequence[torch.Tensor],
@@ -397,15 +317,15 @@ def shrink_slices(
     common = (k, rank, x.stride(0), a0.stride(0), out.stride(0), out.stride(1), k_per_split)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_for(path, x.device))
     if path == "bgmv":
-        grid = (_bgmv_programs(cfg.group, meta), triton.cdiv(rank, block_r), n * cfg.split_k)
+        grid = (num_tokens, triton.cdiv(rank, block_r), n * cfg.split_k)
         _shrink_bgmv_kernel[grid](
-            x, a0, a1, a2, meta.slots, *_tiles(meta), out, *common,
-            GROUP=cfg.group, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k, EVEN_K=even_k, **launch,
+            x, a0, a1, a2, meta.slots, out, *common,
+            BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k, EVEN_K=even_k, **launch,
         )
     else:
         grid = (meta.num_tiles, triton.cdiv(rank, block_r), cfg.split_k)
         _shrink_sgmv_kernel[grid](
-            x, a0, a1, a2, *_tiles(meta), out, *common,
+            x, a0, a1, a2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, out, *common,
             NUM_SLICES=n, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
             EVEN_K=even_k, DOT_F32=_dot_f32(x.dtype), **launch,
         )
@@ -441,13 +361,13 @@ def expand_slices(
     common = (rank, *widths, blocks[0], blocks[0] + blocks[1], *slot_strides, h.stride(0), h.stride(1), y.stride(0))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_for(path, y.device))
     if path == "bgmv":
-        _expand_bgmv_kernel[(_bgmv_programs(cfg.group, meta), sum(blocks))](
-            h, b0, b1, b2, meta.slots, *_tiles(meta), y, *common, GROUP=cfg.group, BLOCK_N=cfg.block_n,
-            BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks, **launch,
+        _expand_bgmv_kernel[(num_tokens, sum(blocks))](
+            h, b0, b1, b2, meta.slots, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
+            **launch,
         )
     else:
         _expand_sgmv_kernel[(meta.num_tiles, sum(blocks))](
-            h, b0, b1, b2, *_tiles(meta), y, *common,
+            h, b0, b1, b2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, y, *common,
             BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
             DOT_F32=_dot_f32(y.dtype), **launch,
         )

@@ -5,14 +5,12 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`), how many rows its metadata tiles hold (`tile_rows`), and whether decode graphs fold each
-expand into the fused op after it (`fold_expand`).
+(`choose_path`) and whether decode graphs fold each expand into the fused op after it (`fold_expand`).
 """
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 from kernels.backend import env_switch
@@ -25,12 +23,6 @@ SGMV_MIN_TOKENS = 129
 # SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
 SGMV_LARGE_TOKENS = 512
 SGMV_BLOCK_M = 64
-# Tokens of one slot per per-token (BGMV) program: each adapter row it loads serves that many tokens. A BGMV
-# config's `group` is 1 (a program per token, any metadata) or this, the tile height of BGMV metadata.
-BGMV_GROUP = 1
-# `LORASERVE_LORA_GROUP=G` runs every per-token class at group G instead (configs made by `grouped`), for measuring.
-BGMV_GROUP_ENV = "LORASERVE_LORA_GROUP"
-BGMV_GROUPS = (1, 2, 4, 8, 16)
 # In CUDA-graph decode buckets on the per-token path, leave each expand to the fused op that consumes the
 # projection (`LoRAStep.fold_expand`). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
 FOLD_EXPAND = True
@@ -44,7 +36,6 @@ class ShrinkConfig:
     split_k: int
     num_warps: int
     num_stages: int
-    group: int = 1  # BGMV: tokens of one slot per program (metadata tiles of that height); 1 = one token
 
 
 @dataclass(frozen=True)
@@ -54,7 +45,6 @@ class ExpandConfig:
     num_warps: int
     num_stages: int
     n_blocks: int = 1  # column blocks per program
-    group: int = 1  # BGMV: tokens of one slot per program (metadata tiles of that height); 1 = one token
 
 
 # Winners of `benchmarks/lora_kernels.py --sweep` on an H200 (torch 2.11, triton 3.6), 2026-11-29: BGMV scored
@@ -100,60 +90,20 @@ def sgmv_block_m(max_tokens: int) -> int:
     return 16 if max_tokens < SGMV_LARGE_TOKENS else SGMV_BLOCK_M
 
 
-def bgmv_group() -> int:
-    """Same-slot tokens per per-token program: BGMV_GROUP unless LORASERVE_LORA_GROUP says otherwise."""
-    choice = os.environ.get(BGMV_GROUP_ENV, "")
-    if not choice:
-        return BGMV_GROUP
-    if choice not in {str(g) for g in BGMV_GROUPS}:
-        raise ValueError(f"{BGMV_GROUP_ENV} must be one of {', '.join(map(str, BGMV_GROUPS))}, got {choice!r}")
-    return int(choice)
-
-
-def tile_rows(num_tokens: int) -> int:
-    """The metadata `block_m` for a batch of `num_tokens` (its capacity, for static buffers): `bgmv_group()` when
-    the batch goes per token, the SGMV tile height otherwise."""
-    return bgmv_group() if choose_path(num_tokens) == "bgmv" else sgmv_block_m(num_tokens)
-
-
-def grouped(cfg: ShrinkConfig | ExpandConfig, group: int) -> ShrinkConfig | ExpandConfig:
-    """A per-token config made for group G: its K (shrink) or column (expand) block divided by G, so that a
-    program holds as many products as before (the one-token table's 16384-wide blocks spill at G 4)."""
-    if isinstance(cfg, ShrinkConfig):
-        return replace(cfg, group=group, block_k=max(64, cfg.block_k // group))
-    return replace(cfg, group=group, block_n=max(64, cfg.block_n // group))
-
-
-def _per_token(cfg: ShrinkConfig | ExpandConfig) -> ShrinkConfig | ExpandConfig:
-    """The table's per-token config, or under LORASERVE_LORA_GROUP the one `grouped` makes for that group."""
-    group = bgmv_group()
-    return cfg if group == BGMV_GROUP else grouped(cfg, group)
-
-
 def _nearest(keys, value: int) -> int:
     below = [k for k in keys if k >= value]
     return min(below) if below else max(keys)
 
 
-def shrink_config(path: str, block_m: int, rank: int, num_slices: int) -> ShrinkConfig:
-    cfg = table_shrink_config(path, block_m, rank, num_slices)
-    return _per_token(cfg) if path == "bgmv" else cfg
-
-
-def expand_config(path: str, block_m: int, rank: int) -> ExpandConfig:
-    cfg = table_expand_config(path, block_m, rank)
-    return _per_token(cfg) if path == "bgmv" else cfg
-
-
 @lru_cache(maxsize=None)
-def table_shrink_config(path: str, block_m: int, rank: int, num_slices: int) -> ShrinkConfig:
+def shrink_config(path: str, block_m: int, rank: int, num_slices: int) -> ShrinkConfig:
     block_m = 0 if path == "bgmv" else _nearest({k[1] for k in _SHRINK if k[0] == path}, block_m)
     bucket = _nearest({k[2] for k in _SHRINK if k[:2] == (path, block_m)}, rank)
     return _SHRINK[(path, block_m, bucket, num_slices > 1)]
 
 
 @lru_cache(maxsize=None)
-def table_expand_config(path: str, block_m: int, rank: int) -> ExpandConfig:
+def expand_config(path: str, block_m: int, rank: int) -> ExpandConfig:
     block_m = 0 if path == "bgmv" else _nearest({k[1] for k in _EXPAND if k[0] == path}, block_m)
     bucket = _nearest({k[2] for k in _EXPAND if k[:2] == (path, block_m)}, rank)
     return _EXPAND[(path, block_m, bucket)]

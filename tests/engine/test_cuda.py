@@ -73,18 +73,6 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
-@pytest.mark.parametrize("group", ["2", "4"])
-def test_graphs_give_the_same_tokens_with_the_per_token_lora_grouped(tiny_llama, loras, monkeypatch, group):
-    """Programs of up to `group` same-adapter tokens (shrink beside the GEMM, expand folded into the fused ops,
-    metadata tiles of that height) against one program per token."""
-    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
-    monkeypatch.setenv("LORASERVE_LORA_GROUP", "1")
-    per_token = _mixed(LLM(str(tiny_llama), **kwargs), loras)
-    monkeypatch.setenv("LORASERVE_LORA_GROUP", group)
-    grouped = _mixed(LLM(str(tiny_llama), **kwargs), loras)
-    assert _tokens(grouped) == _tokens(per_token)
-
-
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 def test_buckets_of_32_to_64_tokens_are_captured_with_cublaslt_preferred_and_the_setting_restored(tokens):
     from engine.cuda_graphs import CUBLASLT_TOKENS, preferred_blas_for

@@ -20,7 +20,6 @@ PATTERNS: dict[str, list[int]] = {
     "distinct": [4, 0, 3, 1, 2],
     "unsorted_with_empty_groups": [3, 0, -1, 3, 1, -1, 0, 3, 1],
     "base_mixed_in": [-1, 4, -1, -1, 4, 0, -1],
-    "long_runs": [1, 3, 1, -1, 1, 1, 3, 1, -1, 1, 3],
 }
 
 

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from kernels import LoRADelta, LoRAMetadata, fused, fused_torch, lora_torch, prepare_lora_metadata
-from tests.kernels.lora_cases import NUM_SLOTS, PATTERNS, packed_weights, record_calls, triton_runs_in_process
+from kernels import LoRADelta, fused, fused_torch, lora_torch, prepare_lora_metadata
+from tests.kernels.lora_cases import NUM_SLOTS, packed_weights, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = [3, -1, 0, 3, 1, -1, 4]  # several adapters, one used twice, base-model rows between
@@ -47,25 +47,17 @@ class Impl:
         return y
 
 
-def _triton_impl(group: int) -> Impl:
-    """The Triton ops in launch shapes where columns, heads and the rank take several steps, `group` rows at
-    a time."""
-    from kernels import fused_triton, lora_triton
-    from kernels.fused_triton import LoRAOpConfig
-
-    return Impl(fused_triton, lora_triton, {
-        "small": LoRAOpConfig(chunk=32, block_r=4, num_warps=2, chunks_per_program=2, group=group),
-        "heads": LoRAOpConfig(chunk=2, block_r=8, num_warps=2, group=group),
-    })
-
-
 def _impls():
     impls = [pytest.param(Impl(fused_torch, lora_torch, {}), id="torch")]
     if triton_runs_in_process():
         from kernels import fused_triton, lora_triton
+        from kernels.fused_triton import LoRAOpConfig
 
+        small = LoRAOpConfig(chunk=32, block_r=4, num_warps=2, chunks_per_program=2)
+        heads = LoRAOpConfig(chunk=2, block_r=8, num_warps=2)
         impls += [pytest.param(Impl(fused_triton, lora_triton, {}), id="triton"),
-                  pytest.param(_triton_impl(group=1), id="triton-chunked")]
+                  pytest.param(Impl(fused_triton, lora_triton, {"small": small, "heads": heads}),
+                               id="triton-chunked")]
     return impls
 
 
@@ -82,18 +74,15 @@ def _within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=1e-6)
 
 
-def _delta(widths: list[int], dtype: torch.dtype, seed: int, slots: list[int] = SLOTS,
-           block_m: int | None = None) -> LoRADelta:
-    """The delta of `slots`' tokens, with metadata tiles of `block_m` rows (the default height if None)."""
+def _delta(widths: list[int], dtype: torch.dtype, seed: int) -> LoRADelta:
     gen = torch.Generator().manual_seed(seed)
-    h = torch.randint(-8, 9, (len(widths), len(slots), RANK), generator=gen).div(8).to(DEVICE)
-    h[:, [t for t, slot in enumerate(slots) if slot < 0]] = 0.0  # as the shrink leaves base rows
+    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
+    h = torch.randint(-8, 9, (len(widths), len(SLOTS), RANK), generator=gen).div(8).to(DEVICE)
+    h[:, BASE_ROWS] = 0.0  # as the shrink leaves base rows
     b_slices = packed_weights([(w, RANK) for w in widths], dtype, DEVICE)
     for b in b_slices:
         b.copy_(torch.randint(-8, 9, b.shape, generator=gen).div(16))
-    meta = prepare_lora_metadata(torch.tensor(slots, dtype=torch.int32, device=DEVICE), NUM_SLOTS,
-                                 out=LoRAMetadata.empty(len(slots), NUM_SLOTS, DEVICE, block_m=block_m))
-    return LoRADelta(h, tuple(b_slices), meta)
+    return LoRADelta(h, tuple(b_slices), prepare_lora_metadata(slots, NUM_SLOTS))
 
 
 # add_rms_norm
@@ -101,28 +90,22 @@ def _delta(widths: list[int], dtype: torch.dtype, seed: int, slots: list[int] = 
 WIDTH = 72
 
 
-def _norm_inputs(dtype: torch.dtype, with_residual: bool, slots: list[int] = SLOTS, block_m: int | None = None):
+def _norm_inputs(dtype: torch.dtype, with_residual: bool):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(len(slots), WIDTH, generator=gen).to(DEVICE, dtype)
-    residual = torch.randn(len(slots), WIDTH, generator=gen).to(DEVICE, dtype) if with_residual else None
+    x = torch.randn(len(SLOTS), WIDTH, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(len(SLOTS), WIDTH, generator=gen).to(DEVICE, dtype) if with_residual else None
     weight = torch.rand(WIDTH, generator=gen).add(0.5).to(DEVICE, dtype)
-    return x, residual, weight, _delta([WIDTH], dtype, 2, slots, block_m)
-
-
-def _assert_norm_folds(impl: Impl, dtype: torch.dtype, with_residual: bool, slots: list[int] = SLOTS,
-                       block_m: int | None = None, **config) -> None:
-    """The op with the delta folded in equals the expand, then the op (the normed output within a rounding)."""
-    x, residual, weight, lora = _norm_inputs(dtype, with_residual, slots, block_m)
-    out, hidden = impl.ops.add_rms_norm(x, residual, weight, EPS, lora, **config)
-    want_out, want_hidden = impl.ops.add_rms_norm(impl.expanded(x, lora), residual, weight, EPS)
-    _same(hidden, want_hidden)
-    _within_a_rounding(out, want_out)
+    return x, residual, weight, _delta([WIDTH], dtype, seed=2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_residual", [True, False])
 def test_add_rms_norm_with_lora_equals_expand_then_norm(impl, dtype, with_residual):
-    _assert_norm_folds(impl, dtype, with_residual, **impl.config("small"))
+    x, residual, weight, lora = _norm_inputs(dtype, with_residual)
+    out, hidden = impl.ops.add_rms_norm(x, residual, weight, EPS, lora, **impl.config("small"))
+    want_out, want_hidden = impl.ops.add_rms_norm(impl.expanded(x, lora), residual, weight, EPS)
+    _same(hidden, want_hidden)
+    _within_a_rounding(out, want_out)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -149,22 +132,17 @@ def test_add_rms_norm_rows_without_an_adapter_match_the_plain_norm(impl, with_re
 INTERMEDIATE = 80
 
 
-def _silu_inputs(dtype: torch.dtype, slots: list[int] = SLOTS, block_m: int | None = None):
+def _silu_inputs(dtype: torch.dtype):
     gen = torch.Generator().manual_seed(3)
-    gate_up = (torch.randn(len(slots), 2 * INTERMEDIATE, generator=gen) * 3).to(DEVICE, dtype)
-    return gate_up, _delta([INTERMEDIATE, INTERMEDIATE], dtype, 4, slots, block_m)
-
-
-def _assert_silu_folds(impl: Impl, dtype: torch.dtype, slots: list[int] = SLOTS, block_m: int | None = None,
-                       **config) -> None:
-    gate_up, lora = _silu_inputs(dtype, slots, block_m)
-    got = impl.ops.silu_and_mul(gate_up, lora, **config)
-    _same(got, impl.ops.silu_and_mul(impl.expanded(gate_up, lora)))
+    gate_up = (torch.randn(len(SLOTS), 2 * INTERMEDIATE, generator=gen) * 3).to(DEVICE, dtype)
+    return gate_up, _delta([INTERMEDIATE, INTERMEDIATE], dtype, seed=4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_with_lora_equals_expand_then_op(impl, dtype):
-    _assert_silu_folds(impl, dtype, **impl.config("small"))
+    gate_up, lora = _silu_inputs(dtype)
+    got = impl.ops.silu_and_mul(gate_up, lora, **impl.config("small"))
+    _same(got, impl.ops.silu_and_mul(impl.expanded(gate_up, lora)))
 
 
 def test_silu_and_mul_with_lora_leaves_gate_up_unchanged(impl):
@@ -210,10 +188,9 @@ class RotaryCase:
                                    self.slot_mapping, lora, **config)
 
 
-def _rotary_case(shape: tuple[int, int, int], dtype: torch.dtype, slots: list[int] = SLOTS,
-                 block_m: int | None = None) -> RotaryCase:
+def _rotary_case(shape: tuple[int, int, int], dtype: torch.dtype) -> RotaryCase:
     heads, kv_heads, dim = shape
-    tokens = len(slots)
+    tokens = len(SLOTS)
     gen = torch.Generator().manual_seed(5)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
     freqs = torch.outer(torch.arange(64.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
@@ -223,7 +200,7 @@ def _rotary_case(shape: tuple[int, int, int], dtype: torch.dtype, slots: list[in
         shape, qkv, emb.cos().to(DEVICE), emb.sin().to(DEVICE),
         torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE), cache, cache.clone(),
         torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE),
-        _delta([heads * dim, kv_heads * dim, kv_heads * dim], dtype, 6, slots, block_m),
+        _delta([heads * dim, kv_heads * dim, kv_heads * dim], dtype, seed=6),
     )
 
 
@@ -236,22 +213,16 @@ def _clone(case: RotaryCase) -> RotaryCase:
 HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
 
 
-def _assert_rotary_folds(impl: Impl, shape: tuple[int, int, int], dtype: torch.dtype, slots: list[int] = SLOTS,
-                         block_m: int | None = None, **config) -> None:
-    """q, k, v and the whole caches (NaN where no token writes) equal the expand, then the op."""
-    got, want = _rotary_case(shape, dtype, slots, block_m), _rotary_case(shape, dtype, slots, block_m)
-    got.run(impl.ops, got.lora, **config)
-    want.qkv.copy_(impl.expanded(want.qkv, want.lora))
-    want.run(impl.ops, None)
-    for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
-        _same(a, b)
-
-
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_and_write_kv_with_lora_equals_expand_then_op(impl, shape, dtype):
     """q and k end rotated after their delta, v holds its delta, and the caches hold both."""
-    _assert_rotary_folds(impl, shape, dtype, **impl.config("heads"))
+    got, want = _rotary_case(shape, dtype), _rotary_case(shape, dtype)
+    got.run(impl.ops, got.lora, **impl.config("heads"))
+    want.qkv.copy_(impl.expanded(want.qkv, want.lora))
+    want.run(impl.ops, None)
+    for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
+        _same(a, b)
 
 
 def test_rotary_and_write_kv_rows_without_an_adapter_equal_the_plain_op(impl):
@@ -263,112 +234,6 @@ def test_rotary_and_write_kv_rows_without_an_adapter_equal_the_plain_op(impl):
     assert torch.equal(got.qkv[BASE_ROWS], plain.qkv[BASE_ROWS])
     for a, b in [(got.k_cache, plain.k_cache), (got.v_cache, plain.v_cache)]:
         assert torch.equal(a.flatten(0, 1)[base_slots], b.flatten(0, 1)[base_slots])
-
-
-# grouped: a program per metadata tile of G same-slot tokens (config group G, metadata block_m G)
-
-GROUPS = [2, 4]
-# one slot for all, all distinct, runs longer than G and not multiples of it, base rows mixed in, all base, unsorted
-GROUP_PATTERNS = [pytest.param(PATTERNS[name], id=name) for name in
-                  ["one_slot", "distinct", "long_runs", "base_mixed_in", "all_base", "unsorted_with_empty_groups"]]
-
-
-def over_groups_and_patterns(test):
-    """Run a Triton test for each group, slot pattern and dtype (float32 and bfloat16)."""
-    for mark in (pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16]),
-                 pytest.mark.parametrize("group", GROUPS), pytest.mark.parametrize("slots", GROUP_PATTERNS),
-                 needs_triton):
-        test = mark(test)
-    return test
-
-
-@over_groups_and_patterns
-def test_grouped_add_rms_norm_with_lora_equals_expand_then_norm(slots, group, dtype):
-    impl = _triton_impl(group)
-    _assert_norm_folds(impl, dtype, True, slots, group, **impl.config("small"))
-
-
-@needs_triton
-@pytest.mark.parametrize("group", GROUPS)
-def test_grouped_add_rms_norm_without_a_residual_equals_expand_then_norm(group):
-    impl = _triton_impl(group)
-    _assert_norm_folds(impl, torch.bfloat16, False, PATTERNS["long_runs"], group, **impl.config("small"))
-
-
-@over_groups_and_patterns
-def test_grouped_silu_and_mul_with_lora_equals_expand_then_op(slots, group, dtype):
-    impl = _triton_impl(group)
-    _assert_silu_folds(impl, dtype, slots, group, **impl.config("small"))
-
-
-@over_groups_and_patterns
-def test_grouped_rotary_and_write_kv_with_lora_equals_expand_then_op(slots, group, dtype):
-    """Also every cache entry that no token of the batch writes stays NaN (the oracle's caches keep theirs)."""
-    impl = _triton_impl(group)
-    _assert_rotary_folds(impl, (6, 3, 24), dtype, slots, group, **impl.config("heads"))
-
-
-@needs_triton
-@pytest.mark.parametrize("group", GROUPS)
-def test_the_default_grouped_launch_shapes_equal_expand_then_op(group):
-    from kernels import fused_triton
-
-    impl, slots = _triton_impl(group), PATTERNS["long_runs"]
-    _assert_norm_folds(impl, torch.bfloat16, True, slots, group, config=fused_triton.lora_config("add_rms_norm", group))
-    _assert_silu_folds(impl, torch.bfloat16, slots, group, config=fused_triton.lora_config("silu_and_mul", group))
-    _assert_rotary_folds(impl, (6, 3, 24), torch.bfloat16, slots, group,
-                         config=fused_triton.lora_config("rotary_and_write_kv", group))
-
-
-@needs_triton
-def test_a_grouped_launch_runs_a_program_per_tile(monkeypatch):
-    from kernels import fused_triton
-
-    calls = record_calls(monkeypatch, fused_triton, "_silu_and_mul_kernel")
-    gate_up, lora = _silu_inputs(torch.float32, PATTERNS["long_runs"], block_m=4)
-    fused_triton.silu_and_mul(gate_up, lora, config=fused_triton.lora_config("silu_and_mul", 4))
-    assert calls[0].grid[0] == lora.meta.num_tiles and calls[0].kwargs["GROUP"] == 4
-
-
-@needs_triton
-def test_group_one_runs_a_program_per_token_on_any_tiles(monkeypatch):
-    from kernels import fused_triton
-
-    calls = record_calls(monkeypatch, fused_triton, "_silu_and_mul_kernel")
-    gate_up, lora = _silu_inputs(torch.float32, PATTERNS["long_runs"], block_m=4)
-    fused_triton.silu_and_mul(gate_up, lora, config=fused_triton.lora_config("silu_and_mul", 1))
-    assert calls[0].grid[0] == len(PATTERNS["long_runs"]) and calls[0].kwargs["GROUP"] == 1
-
-
-@needs_triton
-def test_a_grouped_config_needs_metadata_tiles_of_its_height():
-    from kernels import fused_triton
-
-    gate_up, lora = _silu_inputs(torch.float32, block_m=2)
-    with pytest.raises(ValueError, match="group 4 needs metadata tiles of 4 rows, these have 2"):
-        fused_triton.silu_and_mul(gate_up, lora, config=fused_triton.lora_config("silu_and_mul", 4))
-
-
-@needs_triton
-def test_a_group_without_a_launch_shape_is_refused():
-    from kernels import fused_triton
-
-    with pytest.raises(ValueError, match="no silu_and_mul LoRA launch shape for group 32"):
-        fused_triton.lora_config("silu_and_mul", 32)
-
-
-@needs_triton
-def test_the_dispatcher_runs_the_per_token_kernels_group(monkeypatch):
-    """The step's fused ops share the per-token LoRA kernels' metadata, so they take its group by default."""
-    from kernels import fused_triton, lora_tuning
-
-    monkeypatch.setenv(fused.BACKEND_ENV, "triton")
-    monkeypatch.setattr(lora_tuning, "BGMV_GROUP", 4)
-    calls = record_calls(monkeypatch, fused_triton, "_silu_and_mul_kernel")
-    gate_up, lora = _silu_inputs(torch.float32, PATTERNS["long_runs"], block_m=4)
-    got = fused.silu_and_mul(gate_up, lora)
-    assert calls[0].kwargs["GROUP"] == 4
-    _same(got, fused_triton.silu_and_mul(_triton_impl(4).expanded(gate_up, lora)))
 
 
 # the dispatcher
@@ -400,26 +265,23 @@ def test_a_delta_of_other_widths_is_refused():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("group", [1, 4])
-def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h(group):
-    """The kernels read slots, tiles and h from device tensors: a graph replays with what the next step wrote."""
+def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h():
+    """The kernels read slots and h from device tensors: a graph replays with what the next step wrote."""
     from kernels import fused_triton
 
-    slots = PATTERNS["long_runs"]
-    x, residual, weight, lora = _norm_inputs(torch.bfloat16, True, slots, block_m=group)
-    gate_up, gate_up_lora = _silu_inputs(torch.bfloat16, slots)
+    x, residual, weight, lora = _norm_inputs(torch.bfloat16, True)
+    gate_up, gate_up_lora = _silu_inputs(torch.bfloat16)
     gate_up_lora = LoRADelta(gate_up_lora.h, gate_up_lora.b_slices, lora.meta)  # one metadata per step
 
     def step():
-        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, lora,
-                                           config=fused_triton.lora_config("add_rms_norm", group)),
-                fused_triton.silu_and_mul(gate_up, gate_up_lora, config=fused_triton.lora_config("silu_and_mul", group)))
+        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, lora),
+                fused_triton.silu_and_mul(gate_up, gate_up_lora))
 
     step()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    next_slots = torch.tensor(list(reversed(slots)), dtype=torch.int32, device=DEVICE)
+    next_slots = torch.tensor(list(reversed(SLOTS)), dtype=torch.int32, device=DEVICE)
     prepare_lora_metadata(next_slots, NUM_SLOTS, out=lora.meta)
     for d in (lora, gate_up_lora):
         d.h.copy_(d.h.flip(1))

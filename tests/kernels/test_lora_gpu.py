@@ -1,7 +1,4 @@
-"""The Triton kernels on a CUDA device: real Llama-3-8B widths, both paths, and CUDA-graph replay (per-token
-programs of one token, as the table says, or of groups of same-slot tokens)."""
-
-from dataclasses import replace
+"""The Triton kernels on a CUDA device: real Llama-3-8B widths, both paths, and CUDA-graph replay."""
 
 import pytest
 import torch
@@ -39,24 +36,9 @@ def test_qkv_shrink_and_expand_match_float64_in_bfloat16(num_tokens):
     assert relative_error(y, ref_y) <= 1e-2
 
 
-@pytest.fixture
-def per_token_group(monkeypatch, request) -> int:
-    """The per-token configs with this group (and metadata tiles of its height); 0 keeps the table."""
-    group = request.param
-    if group:
-        shrink_config, expand_config = lora_tuning.shrink_config, lora_tuning.expand_config
-        monkeypatch.setattr(lora_tuning, "BGMV_GROUP", group)
-        monkeypatch.setattr(lora_tuning, "shrink_config",
-                            lambda *key: replace(shrink_config(*key), block_k=2048, group=group))
-        monkeypatch.setattr(lora_tuning, "expand_config",
-                            lambda *key: replace(expand_config(*key), block_n=128, group=group))
-    return group
-
-
-@pytest.mark.parametrize("per_token_group", [0, 2, 4, 8], indirect=True, ids=["table", "G2", "G4", "G8"])
-def test_captured_graph_replays_with_the_next_steps_slots(per_token_group):
+def test_captured_graph_replays_with_the_next_steps_slots():
     num_tokens = 64
-    meta = LoRAMetadata.empty(num_tokens, SLOTS, "cuda", block_m=lora_tuning.tile_rows(num_tokens))
+    meta = LoRAMetadata.empty(num_tokens, SLOTS, "cuda")
     x = torch.randn(num_tokens, K, device="cuda", dtype=torch.bfloat16)
     y = torch.zeros(num_tokens, sum(WIDTHS), device="cuda", dtype=torch.bfloat16)
     h = torch.empty(3, num_tokens, RANK, device="cuda")

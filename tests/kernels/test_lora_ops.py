@@ -1,10 +1,9 @@
-"""Every LoRA implementation (torch reference, Triton BGMV per token and in groups of 2 and 4 same-slot tokens,
-SGMV, with and without split-K) against a float64 per-token oracle, on fresh random inputs, with poisoned outputs.
+"""Every LoRA implementation (torch reference, Triton BGMV and SGMV, with and without split-K) against a
+float64 per-token oracle, on fresh random inputs, with poisoned outputs.
 
 Shapes are small and deliberately awkward: rank 20 and K 70 are not powers of two or multiples of
-the blocks, the three slices have unequal widths (as q/k/v under GQA), SGMV tiles of 4 rows and BGMV groups
-of 2 or 4 split runs of one slot (runs of 9 and 6 leave partial tiles), and the Triton blocks are small so
-every loop runs several partial iterations.
+the blocks, the three slices have unequal widths (as q/k/v under GQA), SGMV tiles of 4 rows split
+groups, and the Triton blocks are small so every loop runs several partial iterations.
 """
 
 from __future__ import annotations
@@ -48,17 +47,14 @@ POISON = -7777.0
 class Impl:
     shrink: Callable
     expand: Callable
-    block_m: int = 4  # the metadata's tile height
 
 
-def _triton(path: str, block_r: int, split_k: int, group: int = 1) -> Impl:
-    """Small blocks; a BGMV group above 1 gets metadata tiles of its height (group 1 reads the slots, any tiles)."""
+def _triton(path: str, block_r: int, split_k: int) -> Impl:
     return Impl(
-        partial(lora_triton.shrink_slices, path=path, config=ShrinkConfig(
-            block_r=block_r, block_k=16, split_k=split_k, num_warps=4, num_stages=1, group=group)),
-        partial(lora_triton.expand_slices, path=path, config=ExpandConfig(
-            block_n=16, block_r=block_r, num_warps=4, num_stages=1, n_blocks=split_k, group=group)),
-        block_m=group if group > 1 else 4,
+        partial(lora_triton.shrink_slices, path=path,
+                config=ShrinkConfig(block_r=block_r, block_k=16, split_k=split_k, num_warps=4, num_stages=1)),
+        partial(lora_triton.expand_slices, path=path,
+                config=ExpandConfig(block_n=16, block_r=block_r, num_warps=4, num_stages=1, n_blocks=split_k)),
     )
 
 
@@ -66,9 +62,6 @@ IMPLS = [
     pytest.param(Impl(lora_torch.shrink_slices, lora_torch.expand_slices), id="torch"),
     pytest.param(_triton("bgmv", block_r=8, split_k=1), id="bgmv", marks=needs_triton),
     pytest.param(_triton("bgmv", block_r=8, split_k=2), id="bgmv_split_k_n_blocks", marks=needs_triton),
-    pytest.param(_triton("bgmv", block_r=8, split_k=1, group=2), id="bgmv_group2", marks=needs_triton),
-    pytest.param(_triton("bgmv", block_r=8, split_k=1, group=4), id="bgmv_group4", marks=needs_triton),
-    pytest.param(_triton("bgmv", block_r=8, split_k=2, group=4), id="bgmv_group4_split_k_n_blocks", marks=needs_triton),
     pytest.param(_triton("sgmv", block_r=16, split_k=1), id="sgmv", marks=needs_triton),
     pytest.param(_triton("sgmv", block_r=16, split_k=3), id="sgmv_split_k_n_blocks", marks=needs_triton),
 ]
@@ -81,10 +74,9 @@ def impl(request) -> Impl:
     return request.param
 
 
-def metadata(pattern: list[int], block_m: int = 4) -> LoRAMetadata:
+def metadata(pattern: list[int]) -> LoRAMetadata:
     return prepare_lora_metadata(
-        slots_tensor(pattern, DEVICE), NUM_SLOTS,
-        out=LoRAMetadata.empty(len(pattern), NUM_SLOTS, DEVICE, block_m=block_m),
+        slots_tensor(pattern, DEVICE), NUM_SLOTS, out=LoRAMetadata.empty(len(pattern), NUM_SLOTS, DEVICE, block_m=4)
     )
 
 
@@ -93,7 +85,7 @@ def check_shrink(impl: Impl, pattern: list[int], dtype: torch.dtype, num_slices:
     x = torch.randn(len(pattern), K, device=DEVICE).to(dtype)
     a_slices = weights([(RANK, K)] * num_slices, dtype, DEVICE)
     out = torch.full((num_slices, len(pattern), RANK), POISON, device=DEVICE)
-    h = impl.shrink(x, a_slices, metadata(pattern, impl.block_m), out)
+    h = impl.shrink(x, a_slices, metadata(pattern), out)
     ref = shrink_reference(x, a_slices, slots)
     base = slots < 0
     assert h is out
@@ -113,7 +105,7 @@ def check_expand(impl: Impl, pattern: list[int], dtype: torch.dtype, widths: tup
     before = wide.clone()
     y = wide[:, 2 : 2 + sum(widths)]  # a strided view: the kernels must stay inside it
     ref = expand_reference(y, h, b_slices, slots)
-    impl.expand(y, h, b_slices, metadata(pattern, impl.block_m))
+    impl.expand(y, h, b_slices, metadata(pattern))
     assert torch.equal(wide[:, :2], before[:, :2]) and torch.equal(wide[:, -3:], before[:, -3:])
     assert torch.equal(y[base], before[base, 2 : 2 + sum(widths)])
     if (~base).any():

@@ -35,31 +35,3 @@ def test_the_fold_switch_refuses_other_values(monkeypatch):
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "yes")
     with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be '1' or '0'"):
         lora_tuning.fold_expand()
-
-
-def test_per_token_batches_tile_by_the_bgmv_group_and_others_by_the_sgmv_height():
-    assert lora_tuning.tile_rows(1) == lora_tuning.tile_rows(lora_tuning.SGMV_MIN_TOKENS - 1) == lora_tuning.BGMV_GROUP
-    for num_tokens in (lora_tuning.SGMV_MIN_TOKENS, lora_tuning.SGMV_LARGE_TOKENS):
-        assert lora_tuning.tile_rows(num_tokens) == lora_tuning.sgmv_block_m(num_tokens)
-
-
-def test_every_per_token_config_runs_on_per_token_metadata():
-    """A BGMV config's group is 1 (any metadata) or the tile height `tile_rows` gives per-token batches."""
-    configs = [*lora_tuning._SHRINK.items(), *lora_tuning._EXPAND.items()]
-    assert {cfg.group for key, cfg in configs if key[0] == "bgmv"} <= {1, lora_tuning.BGMV_GROUP}
-
-
-def test_the_group_override_tiles_per_token_batches_and_groups_their_configs(monkeypatch):
-    monkeypatch.setenv(lora_tuning.BGMV_GROUP_ENV, "4")
-    assert lora_tuning.tile_rows(64) == 4
-    assert lora_tuning.tile_rows(lora_tuning.SGMV_MIN_TOKENS) == lora_tuning.sgmv_block_m(lora_tuning.SGMV_MIN_TOKENS)
-    shrink = lora_tuning.shrink_config("bgmv", 4, 16, 3)
-    assert shrink == lora_tuning.grouped(lora_tuning.table_shrink_config("bgmv", 4, 16, 3), 4)
-    assert shrink.group == lora_tuning.expand_config("bgmv", 4, 16).group == 4
-    assert lora_tuning.shrink_config("sgmv", 16, 16, 3) == lora_tuning.table_shrink_config("sgmv", 16, 16, 3)
-
-
-def test_the_group_override_refuses_other_values(monkeypatch):
-    monkeypatch.setenv(lora_tuning.BGMV_GROUP_ENV, "3")
-    with pytest.raises(ValueError, match="LORASERVE_LORA_GROUP must be one of 1, 2, 4, 8, 16"):
-        lora_tuning.bgmv_group()
