@@ -344,19 +344,22 @@ class LLMEngine:
         return list(outputs.values())
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
-        """A step may stay in flight when the next can be launched before its tokens are read: it decodes
-        every running sequence and none can be admitted next (nothing waits; or the batch is full, or no
-        waiting sequence can get an adapter slot, and no running sequence can end), so the next step may
-        be a decode of the same sequences (scheduler.schedule_decode);
-        on the fast path, with plain greedy tokens (they stay plain greedy: the sequences only grow)."""
+        """A step may stay in flight when the next can be launched before its tokens are read: it samples a
+        token for every running sequence (decodes, or prompts that end in it) and none can be admitted
+        next (nothing waits; or the batch is full, or no waiting sequence can get an adapter slot, and no
+        running sequence can end), so the next step may be a decode of the same sequences
+        (scheduler.schedule_decode); on the fast path (CUDA graphs, or the pieces of an admitting step),
+        with plain greedy tokens (they stay plain greedy: the sequences only grow) and no prompt logprobs
+        to record (they read the step's hidden states back)."""
         scheduler = self.scheduler
         return (self.async_scheduling and len(scheduled) == len(scheduler.running)
                 and (not scheduler.waiting
                      or (len(scheduled) >= scheduler.max_num_seqs or scheduler.admission_blocked())
                      and self._batch_stays_full(unplaced=1))
-                and (self.runner.replays_graph(len(scheduled)) or self.runner.graphs is None)
-                and all(item.num_new_tokens == 1 and item.samples and is_plain_greedy(
+                and (self.runner.replays_graphs(scheduled) or self.runner.graphs is None)
+                and all(item.samples and is_plain_greedy(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens)
+                    and (item.num_new_tokens == 1 or item.seq.request.params.prompt_logprobs is None)
                     for item in scheduled))
 
     def drain(self) -> list[RequestOutput]:
@@ -391,16 +394,17 @@ class LLMEngine:
 
     def _launch_in_flight(self, scheduled: list[ScheduledSequence],
                           previous: InFlightStep | None) -> list[RequestOutput]:
-        """Launch a greedy decode step (its inputs from `previous`'s tokens on the device), then read
-        `previous` back while the device computes it; the step stays in flight."""
+        """Launch a greedy step, decode rows first (a decode step's inputs from `previous`'s tokens on the
+        device), then read `previous` back while the device computes it; the step stays in flight."""
         seqs = [item.seq for item in scheduled]
         device_tokens = None
         if previous is not None:
             device_tokens = DeviceTokens(previous.tokens.token_ids, [previous.rows[seq.seq_id] for seq in seqs])
         result = self.runner.execute(scheduled, self._adapter_slots(scheduled), device_tokens)
-        tokens = self.sampler.greedy_pending(self.model.compute_logits(result.hidden))
-        for seq in seqs:
-            seq.num_computed_tokens += 1
+        last_rows = [start + item.num_new_tokens - 1 for start, item in zip(result.starts, scheduled)]
+        tokens = self.sampler.greedy_pending(self.model.compute_logits(_take_rows(result.hidden, last_rows)))
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
         self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)})
         outputs = self._read_back(previous)
         for seq in seqs:  # after the outputs: they never show a placeholder

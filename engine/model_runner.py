@@ -120,6 +120,14 @@ class ModelRunner:
         """True when a decode-only step of `batch` sequences replays a CUDA graph."""
         return self.graphs is not None and self.graphs.fits(batch)
 
+    def replays_graphs(self, scheduled: list[ScheduledSequence]) -> bool:
+        """True when the step replays CUDA graphs: a decode-only step one decode graph, any other step the
+        pieces of a bucket (attention launched between them)."""
+        if all(item.num_new_tokens == 1 for item in scheduled):
+            return self.replays_graph(len(scheduled))
+        num_tokens = sum(item.num_new_tokens for item in scheduled)
+        return self.piecewise is not None and self.piecewise.bucket(num_tokens) is not None
+
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],
                 device_tokens: DeviceTokens | None = None) -> StepResult:

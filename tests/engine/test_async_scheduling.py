@@ -199,6 +199,64 @@ def test_switching_async_scheduling_off_mid_run_drains_and_goes_on_synchronously
     assert_nothing_left(overlapped)
 
 
+def _admitting_steps_left_in_flight(engine, monkeypatch) -> list[int]:
+    """Records the prompt tokens of every step launched to stay in flight that computes prompts."""
+    launched = []
+    launch = engine._launch_in_flight
+
+    def recording(scheduled, previous):
+        if any(item.num_new_tokens > 1 for item in scheduled):
+            launched.append(sum(item.num_new_tokens for item in scheduled if item.num_new_tokens > 1))
+        return launch(scheduled, previous)
+
+    monkeypatch.setattr(engine, "_launch_in_flight", recording)
+    return launched
+
+
+def test_an_admitting_step_whose_prompts_all_end_in_it_stays_in_flight(engines, monkeypatch):
+    launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
+    _, r = compare(engines, monkeypatch, [(p, greedy(6)) for p in PROMPTS[:3]])
+    assert len(launched) == 1  # the one step admitting all three prompts
+    # every decode step after it takes its input ids on the device: 5, and a 6th whose tokens are dropped
+    assert r.overlapped_steps == 6
+
+
+def test_a_request_arriving_mid_run_is_admitted_in_a_step_that_stays_in_flight(engines, monkeypatch):
+    sync, overlapped = engines
+    launched = _admitting_steps_left_in_flight(overlapped, monkeypatch)
+    finals = []
+    for engine in (sync, overlapped):
+        r = Run(engine, monkeypatch)
+        first = r.add(PROMPTS[1], greedy(12))
+        for _ in range(3):
+            r.step()
+        second = r.add(PROMPTS[4], greedy(6))
+        r.to_end()
+        finals.append([r.final[first], r.final[second]])
+        assert_streams_consistent(r)
+        assert_nothing_left(engine)
+    assert_same(*finals)
+    assert len(launched) == 2
+
+
+def test_an_admitting_step_recording_prompt_logprobs_is_synchronous(engines, monkeypatch):
+    launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
+    expected, r = compare(engines, monkeypatch, [(PROMPTS[1], greedy(6, prompt_logprobs=1)), (PROMPTS[2], greedy(6))])
+    assert launched == []
+    assert len(expected[0].prompt_logprobs) == len(expected[0].prompt_token_ids)
+    assert r.final[min(r.final, key=int)].prompt_logprobs == expected[0].prompt_logprobs
+    # all but the first decode step after it: 4, and a 5th whose tokens are dropped
+    assert r.overlapped_steps == 5
+
+
+def test_a_prompt_chunk_that_does_not_end_the_prompt_is_synchronous(tiny_llama, monkeypatch):
+    engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=5),
+               make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=5))
+    launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
+    compare(engines, monkeypatch, [(PROMPTS[1], greedy(6))])
+    assert launched == [len(engines[1].tokenize(PROMPTS[1])) % 5 or 5]  # only the last chunk's step
+
+
 @pytest.fixture(scope="module")
 def full_engines(tiny_llama):
     """Engines running at most two sequences, so requests wait while the batch is full."""
