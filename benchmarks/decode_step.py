@@ -31,7 +31,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     parser.add_argument("--cases", nargs="+", choices=("base", "lora"), default=["base", "lora"])
     parser.add_argument("--adapters", type=int, nargs="+", default=[64],
-                        help="distinct adapters the rows of the lora case are spread over (1..64), one run each")
+                        help="distinct adapters the rows of the lora case are spread over (0..64; 0: every row on the base "
+                             "model, in the LoRA engine), one run each")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="full_decode_only builds the engines faster; decode steps replay the same graphs")
     args = parser.parse_args()
@@ -73,8 +74,9 @@ def main() -> None:
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         for request in requests:
             engine.lora_manager.add(request)
-        for count in args.adapters:
-            measure(f"{count} adapters", engine, lambda b, count=count: [requests[i % count] for i in range(b)])
+        for count in args.adapters:  # 0: base-model rows on the LoRA engine
+            measure(f"{count} adapters", engine,
+                    lambda b, count=count: [requests[i % count] if count else None for i in range(b)])
 
 
 if __name__ == "__main__":
