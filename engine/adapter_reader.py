@@ -50,11 +50,15 @@ class ProcessReader:
         self._closing = False
         self._broken: BaseException | None = None  # why reads can no longer be served, once they cannot
         self._restarts = 0  # since the last read that completed
-        self._start_children()  # their imports take seconds, paid while the engine goes on starting
+        self._ready = threading.Event()  # every child of the latest start has said "ready"
+        self._ready_count = 0
+        self._start_children()  # their imports take seconds: the engine goes on starting meanwhile
         self._listener = threading.Thread(target=self._listen, name="lora-reader-results", daemon=True)
         self._listener.start()
 
     def _start_children(self) -> None:
+        self._ready.clear()
+        self._ready_count = 0
         context = mp.get_context("spawn")
         self._jobs = context.SimpleQueue()
         self._results = context.Queue()
@@ -64,6 +68,16 @@ class ProcessReader:
         with _main_module_hidden():
             for process in self._processes:
                 process.start()
+
+    def wait_until_ready(self, timeout: float | None = None) -> None:
+        """Block until every child has imported what it needs, which they started doing at construction;
+        raise if they cannot start (they keep exiting) or, with a timeout, are not ready by then."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._ready.wait(0.2):
+            if self._broken is not None:
+                raise RuntimeError(f"the adapter reader could not start: {self._broken}")
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"adapter reader processes were not ready after {timeout} s")
 
     def submit(self, path: str | Path, row: int) -> Future:
         """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
@@ -115,6 +129,10 @@ class ProcessReader:
                 if message is None:
                     break
                 if message == "ready":  # a child has imported what it needs
+                    with self._lock:
+                        self._ready_count += 1
+                        if self._ready_count == self._count:
+                            self._ready.set()
                     continue
                 job, error = message
                 with self._lock:

@@ -150,6 +150,8 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         torch.manual_seed(config.seed)
+        if self.lora_manager is not None:  # its reader processes started with it, and imported meanwhile
+            self.lora_manager.wait_for_reader()
 
     def _build_model(self, model_dir) -> LlamaForCausalLM:
         if self.config.tensor_parallel_size > 1:

@@ -182,6 +182,12 @@ class LoRAManager:
             return True
         return pinnable and len(self._reads) < self.takeable_slots()
 
+    def wait_for_reader(self) -> None:
+        """Block until reads can start at once: reader processes, started with the manager, have imported
+        what they need. Raises if they cannot start."""
+        if self._process_reader is not None:
+            self._process_reader.wait_until_ready()
+
     def wait_for_reads(self, timeout: float | None) -> None:
         """Block until a background read finishes (or the timeout): for a step that has nothing to
         run but adapters on their way, rather than spinning against the reader threads."""

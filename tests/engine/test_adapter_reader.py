@@ -84,6 +84,33 @@ def _kill_readers() -> None:
             child.kill()
 
 
+def test_the_children_start_without_holding_up_the_constructor_and_report_ready(engine):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    started = time.monotonic()
+    reader = ProcessReader(torch.zeros(1, layout.numel).share_memory_(), layout, engine.model_info,
+                           allow_pickle=False, processes=2)
+    try:
+        constructed = time.monotonic() - started
+        reader.wait_until_ready(timeout=120)
+        ready = time.monotonic() - started
+        assert constructed < ready / 2, "the constructor waited for the children's imports"
+    finally:
+        reader.close()
+
+
+def test_children_that_die_at_start_fail_the_wait_for_them(engine, monkeypatch):
+    monkeypatch.setattr(ProcessReader, "MAX_RESTARTS", 0)
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    reader = ProcessReader(torch.zeros(1, layout.numel).share_memory_(), layout, engine.model_info,
+                           allow_pickle=False)
+    try:
+        _kill_readers()  # long before a child has imported torch
+        with pytest.raises(RuntimeError, match="could not start"):
+            reader.wait_until_ready(timeout=60)
+    finally:
+        reader.close()
+
+
 def test_a_read_around_a_childs_death_never_hangs_and_the_reader_reads_on(engine, loras):
     """Killed while idle, the child may hold the job queue's lock; whether the read submitted right after is
     failed (it was in flight when the death was seen) or served by the new children, it ends, and so does
