@@ -233,23 +233,33 @@ def _stalls(decode_walls: list[float]) -> dict:
     return dict(stalled_decode_steps=len(slow), stalled_decode_excess_seconds=sum(slow) - len(slow) * limit / 2)
 
 
-def _eager_step_profile(engine: LLMEngine) -> str:
-    """Per-kernel GPU time of one eager decode step of the running batch (torch.profiler)."""
+def _kernel_table(run) -> str:
+    """Per-kernel GPU time of `run()` (torch.profiler), after one run to warm it."""
     from torch.profiler import ProfilerActivity, profile
 
+    with torch.inference_mode():
+        run()
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            run()
+            sync()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+
+
+def _step_profiles(engine: LLMEngine) -> str:
+    """Per-kernel GPU time of one decode step of the running batch, run eagerly and replayed from its graph
+    (which folds the LoRA expands into the fused ops and runs the shrinks on a side stream)."""
     from engine.scheduler import ScheduledSequence
 
     scheduled = [ScheduledSequence(seq, 1) for seq in engine.scheduler.running]
     slots = [engine.lora_manager.slot_for(s.seq.request.lora_request) if engine.lora_manager else -1
              for s in scheduled]
     step = engine.runner.build_step(scheduled, slots)
-    with torch.inference_mode():
-        engine.model(step, engine.runner.kv_caches)
-        sync()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            engine.model(step, engine.runner.kv_caches)
-            sync()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    eager = _kernel_table(lambda: engine.model(step, engine.runner.kv_caches))
+    graphs = engine.runner.graphs
+    size = next(b for b in graphs.buckets if b >= len(scheduled))
+    replayed = _kernel_table(graphs.graphs[size].replay)
+    return f"eager step\n{eager}\n\ngraph replay (bucket {size}; its static inputs as the last step left them)\n{replayed}"
 
 
 def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int,
@@ -271,7 +281,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         wall_ms = 1e3 * (time.perf_counter() - t) / steps
     engine.drain()  # the running sequences' last tokens are real again (async scheduling leaves one in flight)
     if profile_to is not None:
-        profile_to.write_text(_eager_step_profile(engine))
+        profile_to.write_text(_step_profiles(engine))
     for request_id in list(engine.requests):
         engine.abort(request_id)
     # GPU busy time of one step: 20 replays of the captured graph back to back, then 20 steps of replay,
