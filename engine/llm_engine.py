@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -95,6 +96,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
+        started = time.perf_counter()
         self.config = config
         self.device = resolve_device(config.device)
         limit_host_threads(self.device)
@@ -108,6 +110,10 @@ class LLMEngine:
             raise ValueError(f"max_model_len ({self.max_model_len}) is larger than the model's "
                              f"max_position_embeddings ({limit})")
         self.model = self._build_model(model_dir)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        logger.info("model %s loaded in %.1f s: %.2f GiB of weights in %s on %s", self.model_name,
+                    time.perf_counter() - started, weights / 2**30, str(self.dtype).removeprefix("torch."),
+                    self.device)
         self.block_size = config.block_size
         # adapter slots are allocated before the KV cache is sized from what memory is left
         self.lora_manager = self._build_lora_manager() if config.enable_lora else None
@@ -116,6 +122,8 @@ class LLMEngine:
         # one block more than the allocator hands out: a scratch block for CUDA-graph padding rows
         kv_caches = allocate_kv_caches(self.hf_config.num_hidden_layers, num_blocks + 1, self.block_size,
                                        attn.num_kv_heads, attn.head_dim, self.dtype, self.device)
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * self.block_size, sum(t.nbytes for kv in kv_caches for t in kv) / 2**30)
         self.allocator = BlockAllocator(num_blocks)
         self.scheduler = Scheduler(
             self.allocator, self.block_size, config.max_num_seqs,
@@ -126,9 +134,13 @@ class LLMEngine:
                                   num_lora_slots=config.max_loras if config.enable_lora else 0)
         if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
             piecewise = config.cudagraph_mode == "full_and_piecewise"
+            capture_started = time.perf_counter()
             self.runner.enable_cuda_graphs(
                 config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
                 max_num_batched_tokens=self.scheduler.max_num_batched_tokens if piecewise else None)
+            logger.info("CUDA graphs captured in %.1f s: %d decode buckets, %d mixed-step buckets",
+                        time.perf_counter() - capture_started, len(self.runner.graphs.buckets),
+                        len(self.runner.piecewise.buckets) if self.runner.piecewise else 0)
         if self.device.type == "cuda" and config.tensor_parallel_size == 1:
             warm_up_eager_steps(self.runner, max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
                                 max_model_len=self.max_model_len, scratch_block=num_blocks,
@@ -152,6 +164,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         if self.lora_manager is not None:  # its reader processes started with it, and imported meanwhile
             self.lora_manager.wait_for_reader()
+        logger.info("engine ready in %.1f s", time.perf_counter() - started)
 
     def _build_model(self, model_dir) -> LlamaForCausalLM:
         if self.config.tensor_parallel_size > 1:
