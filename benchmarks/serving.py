@@ -257,7 +257,7 @@ def _step_profiles(engine: LLMEngine) -> str:
     step = engine.runner.build_step(scheduled, slots)
     eager = _kernel_table(lambda: engine.model(step, engine.runner.kv_caches))
     graphs = engine.runner.graphs
-    size = next(b for b in graphs.buckets if b >= len(scheduled))
+    size = graphs.bucket(len(scheduled))
     replayed = _kernel_table(graphs.graphs[size].replay)
     return f"eager step\n{eager}\n\ngraph replay (bucket {size}; its static inputs as the last step left them)\n{replayed}"
 
@@ -288,7 +288,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
     # LM head and greedy choice (outside the graph) back to back. Timing each step between syncs instead
     # would add the device's start-up after idling to every one.
     graphs = engine.runner.graphs
-    size = next(b for b in graphs.buckets if b >= batch_size)
+    size = graphs.bucket(batch_size)
 
     def gpu_ms(step) -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -51,7 +51,6 @@ class ProcessReader:
         self._broken: BaseException | None = None  # why reads can no longer be served, once they cannot
         self._restarts = 0  # since the last read that completed
         self._ready = threading.Event()  # every child of the latest start has said "ready"
-        self._ready_count = 0
         self._start_children()  # their imports take seconds: the engine goes on starting meanwhile
         self._listener = threading.Thread(target=self._listen, name="lora-reader-results", daemon=True)
         self._listener.start()

@@ -148,12 +148,16 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
+    def bucket(self, batch: int) -> int:
+        """The smallest captured batch size that holds `batch` (which `fits`)."""
+        return next(b for b in self.buckets if b >= batch)
+
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of one decode token per sequence. With device_tokens, the input
         ids are gathered from it on the device (input_ids only hold placeholders)."""
         batch = len(input_ids)
-        size = next(b for b in self.buckets if b >= batch)
+        size = self.bucket(batch)
         self._copied.synchronize()
         self._tables.stage(block_tables, size)
         rows, bs = self._rows, self.block_size
