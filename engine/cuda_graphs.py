@@ -161,12 +161,19 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `batch` (which `fits`)."""
         return next(b for b in self.buckets if b >= batch)
 
+    def key(self, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
+        """The graph a step of `batch` rows with these adapter slots replays: its bucket, and whether it
+        does the LoRA work (some row uses an adapter)."""
+        size = self.bucket(batch)
+        return size, self.num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
+
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of one decode token per sequence. With device_tokens, the input
         ids are gathered from it on the device (input_ids only hold placeholders)."""
         batch = len(input_ids)
-        size = self.bucket(batch)
+        key = self.key(batch, lora_slots)
+        size = key[0]
         self._copied.synchronize()
         self._tables.stage(block_tables, size)
         rows, bs = self._rows, self.block_size
@@ -184,6 +191,5 @@ class DecodeGraphs:
         self._copied.record()
         if device_tokens is not None:
             torch.index_select(device_tokens.tokens, 0, self.token_rows[:batch], out=self.input_ids[:batch])
-        key = (size, self.num_lora_slots > 0 and max(lora_slots, default=-1) >= 0)
         self.graphs[key].replay()
         return self.outputs[key][:batch]
