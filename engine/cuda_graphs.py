@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (two with adapter slots).
 
 Every input the layers read lives in static buffers (token ids, positions, KV slots, block
 tables, context lengths, adapter slots); a step copies its values in and replays the graph of
@@ -6,9 +6,10 @@ the smallest bucket that fits, which also groups the tokens by adapter (the LoRA
 Padding rows write their KV to a scratch block nobody reads and use no adapter. With adapter slots,
 each bucket is captured twice, with the LoRA work and without it, and a step in which no row uses an
 adapter replays the second (vLLM's `cudagraph_specialize_lora`): base-model traffic on a LoRA server
-does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink beside its base matmul and leave each expand to the fused op
-after it (`LoRAStep`; `lora_tuning.fold_expand` can turn that off); buckets of CUBLASLT_TOKENS are
-captured with cuBLASLt preferred.
+does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink
+beside its base matmul and leave each expand to the fused op after it (`LoRAStep`;
+`lora_tuning.fold_expand` can turn that off); buckets of CUBLASLT_TOKENS are captured with cuBLASLt
+preferred.
 """
 from __future__ import annotations
 
@@ -49,6 +50,14 @@ def preferred_blas_for(tokens: int) -> Iterator[None]:
 def default_buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
     return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
+    """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
+    bucket that holds it, and whether the graph does the LoRA work (there are adapter slots and some row
+    uses one)."""
+    size = next(b for b in buckets if b >= batch)
+    return size, num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
 
 
 class StagedBlockTables:
@@ -164,8 +173,7 @@ class DecodeGraphs:
     def key(self, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, and whether it
         does the LoRA work (some row uses an adapter)."""
-        size = self.bucket(batch)
-        return size, self.num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
+        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots)
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:

@@ -104,8 +104,10 @@ def test_base_only_decode_steps_of_a_lora_engine_replay_graphs_without_the_lora_
 
 def test_decode_steps_with_any_adapter_row_replay_graphs_with_the_lora_work(tiny_llama, loras):
     llm = LLM(str(tiny_llama), device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
+    for lora in loras:  # read now: admission never waits for a background read, so the first step admits all
+        llm.engine.lora_manager.add(lora)
     replayed = _record_replays(llm)
-    _mixed(llm, loras)  # every request ends at the same step, so every decode step has adapter rows
+    _mixed(llm, loras)  # every request then ends at the same step: every decode step has base and adapter rows
     assert replayed and all(with_lora for _, with_lora in replayed)
 
 
