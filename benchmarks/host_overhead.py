@@ -161,7 +161,7 @@ def instrument(engine: LLMEngine) -> StepTimer:
     engine.model.compute_logits = timer.wrap_model(engine.model.compute_logits)
     graphs = engine.runner.graphs
     if graphs is not None:
-        graphs.graphs = {size: _TimedGraph(graph, timer) for size, graph in graphs.graphs.items()}
+        graphs.graphs = {key: _TimedGraph(graph, timer) for key, graph in graphs.graphs.items()}
     engine.sampler = _StampedSampler(engine.sampler, timer)
     return timer
 

@@ -257,9 +257,9 @@ def _step_profiles(engine: LLMEngine) -> str:
     step = engine.runner.build_step(scheduled, slots)
     eager = _kernel_table(lambda: engine.model(step, engine.runner.kv_caches))
     graphs = engine.runner.graphs
-    size = graphs.bucket(len(scheduled))
-    replayed = _kernel_table(graphs.graphs[size].replay)
-    return f"eager step\n{eager}\n\ngraph replay (bucket {size}; its static inputs as the last step left them)\n{replayed}"
+    key = graphs.key(len(scheduled), slots)
+    replayed = _kernel_table(graphs.graphs[key].replay)
+    return f"eager step\n{eager}\n\ngraph replay (bucket {key[0]}; its static inputs as the last step left them)\n{replayed}"
 
 
 def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int,
@@ -288,7 +288,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
     # LM head and greedy choice (outside the graph) back to back. Timing each step between syncs instead
     # would add the device's start-up after idling to every one.
     graphs = engine.runner.graphs
-    size = graphs.bucket(batch_size)
+    key = graphs.key(batch_size, [-1 if lora is None else 0 for lora in loras])
 
     def gpu_ms(step) -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -303,10 +303,10 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         return begin.elapsed_time(end) / 20
 
     def full_step():
-        graphs.graphs[size].replay()
-        engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[size][:batch_size]))
+        graphs.graphs[key].replay()
+        engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[key][:batch_size]))
 
-    graph_ms, step_ms = gpu_ms(graphs.graphs[size].replay), gpu_ms(full_step)
+    graph_ms, step_ms = gpu_ms(graphs.graphs[key].replay), gpu_ms(full_step)
     return dict(batch=batch_size, context=context, step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
                 lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms),
                 host_wait_ms=1e3 * sum(waits) / steps)

@@ -1,12 +1,15 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (two with adapter slots).
 
 Every input the layers read lives in static buffers (token ids, positions, KV slots, block
 tables, context lengths, adapter slots); a step copies its values in and replays the graph of
 the smallest bucket that fits, which also groups the tokens by adapter (the LoRA metadata).
-Padding rows write their KV to a scratch block nobody reads and use no adapter. Buckets on the
-per-token LoRA path run each shrink beside its base matmul and leave each expand to the fused op
-after it (`LoRAStep`; `lora_tuning.fold_expand` can turn that off); buckets of CUBLASLT_TOKENS are
-captured with cuBLASLt preferred.
+Padding rows write their KV to a scratch block nobody reads and use no adapter. With adapter slots,
+each bucket is captured twice, with the LoRA work and without it, and a step in which no row uses an
+adapter replays the second (vLLM's `cudagraph_specialize_lora`): base-model traffic on a LoRA server
+does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink
+beside its base matmul and leave each expand to the fused op after it (`LoRAStep`;
+`lora_tuning.fold_expand` can turn that off); buckets of CUBLASLT_TOKENS are captured with cuBLASLt
+preferred.
 """
 from __future__ import annotations
 
@@ -47,6 +50,14 @@ def preferred_blas_for(tokens: int) -> Iterator[None]:
 def default_buckets(max_num_seqs: int) -> list[int]:
     sizes = [1, 2, 4, 8] + list(range(16, max_num_seqs + 16, 16))
     return sorted({min(s, max_num_seqs) for s in sizes})
+
+
+def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
+    """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
+    bucket that holds it, and whether the graph does the LoRA work (there are adapter slots and some row
+    uses one)."""
+    size = next(b for b in buckets if b >= batch)
+    return size, num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
 
 
 class StagedBlockTables:
@@ -101,20 +112,21 @@ class DecodeGraphs:
         # recorded after each step's copies: the staging is rewritten only once they are done (with
         # async scheduling the host can get here before the GPU reaches the last step's copies)
         self._copied = torch.cuda.Event()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # keyed by (bucket, whether the graph does the LoRA work)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
         self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots else None
         self._capture_all()
 
-    def _step_input(self, size: int) -> StepInput:
+    def _step_input(self, size: int, with_lora: bool) -> StepInput:
         attention = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size], query_lens=[1] * size, context_lens_list=[1] * size,
             num_decode=size,
         )
         lora = None
-        if self.num_lora_slots:
+        if with_lora:
             # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
             # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV) 10.93 against 10.79
             per_token = lora_tuning.choose_path(size) == "bgmv"
@@ -124,26 +136,32 @@ class DecodeGraphs:
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
+        variants = (True, False) if self.num_lora_slots else (False,)
         for size in reversed(self.buckets):
             if self.num_lora_slots:
                 self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
-                self._prepare_lora(size)
-            step = self._step_input(size)
-            with torch.inference_mode(), preferred_blas_for(size):
-                self.model(step, self.kv_caches)  # warm-up: compiles kernels outside the capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._prepare_lora(size)
-                    self.outputs[size] = self.model(step, self.kv_caches)
-            self.graphs[size] = graph
+            for with_lora in variants:
+                self._capture(size, with_lora, pool)
         torch.cuda.synchronize()
+
+    def _capture(self, size: int, with_lora: bool, pool) -> None:
+        step = self._step_input(size, with_lora)
+        with torch.inference_mode(), preferred_blas_for(size):
+            if with_lora:
+                self._prepare_lora(size)
+            self.model(step, self.kv_caches)  # warm-up: compiles kernels outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                if with_lora:
+                    self._prepare_lora(size)
+                self.outputs[(size, with_lora)] = self.model(step, self.kv_caches)
+        self.graphs[(size, with_lora)] = graph
 
     def _prepare_lora(self, size: int) -> None:
         """Groups the tokens by adapter slot from the static slot buffer; captured in the graph, so a
         replay does it without host work."""
-        if self.num_lora_slots:
-            kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
+        kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
@@ -152,12 +170,18 @@ class DecodeGraphs:
         """The smallest captured batch size that holds `batch` (which `fits`)."""
         return next(b for b in self.buckets if b >= batch)
 
+    def key(self, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
+        """The graph a step of `batch` rows with these adapter slots replays: its bucket, and whether it
+        does the LoRA work (some row uses an adapter)."""
+        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots)
+
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of one decode token per sequence. With device_tokens, the input
         ids are gathered from it on the device (input_ids only hold placeholders)."""
         batch = len(input_ids)
-        size = self.bucket(batch)
+        key = self.key(batch, lora_slots)
+        size = key[0]
         self._copied.synchronize()
         self._tables.stage(block_tables, size)
         rows, bs = self._rows, self.block_size
@@ -175,5 +199,5 @@ class DecodeGraphs:
         self._copied.record()
         if device_tokens is not None:
             torch.index_select(device_tokens.tokens, 0, self.token_rows[:batch], out=self.input_ids[:batch])
-        self.graphs[size].replay()
-        return self.outputs[size][:batch]
+        self.graphs[key].replay()
+        return self.outputs[key][:batch]

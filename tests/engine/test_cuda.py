@@ -73,6 +73,44 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
+class _RecordingGraph:
+    """A captured graph that notes its key each time it is replayed."""
+
+    def __init__(self, graph, key, replayed: list):
+        self.graph, self.key, self.replayed = graph, key, replayed
+
+    def replay(self):
+        self.replayed.append(self.key)
+        self.graph.replay()
+
+
+def _record_replays(llm) -> list:
+    replayed: list = []
+    graphs = llm.engine.runner.graphs.graphs
+    for key, graph in list(graphs.items()):
+        graphs[key] = _RecordingGraph(graph, key, replayed)
+    return replayed
+
+
+def test_base_only_decode_steps_of_a_lora_engine_replay_graphs_without_the_lora_work(tiny_llama, loras):
+    kwargs = dict(device="cuda", dtype="float32")
+    lora_llm = LLM(str(tiny_llama), enable_lora=True, max_loras=4, max_lora_rank=16, **kwargs)
+    replayed = _record_replays(lora_llm)
+    base_only = lora_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert replayed and not any(with_lora for _, with_lora in replayed)
+    plain = LLM(str(tiny_llama), **kwargs).generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert _tokens(base_only) == _tokens(plain)
+
+
+def test_decode_steps_with_any_adapter_row_replay_graphs_with_the_lora_work(tiny_llama, loras):
+    llm = LLM(str(tiny_llama), device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
+    for lora in loras:  # read now: admission never waits for a background read, so the first step admits all
+        llm.engine.lora_manager.add(lora)
+    replayed = _record_replays(llm)
+    _mixed(llm, loras)  # every request then ends at the same step: every decode step has base and adapter rows
+    assert replayed and all(with_lora for _, with_lora in replayed)
+
+
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])
 def test_buckets_of_32_to_64_tokens_are_captured_with_cublaslt_preferred_and_the_setting_restored(tokens):
     from engine.cuda_graphs import CUBLASLT_TOKENS, preferred_blas_for
