@@ -52,12 +52,16 @@ def default_buckets(max_num_seqs: int) -> list[int]:
     return sorted({min(s, max_num_seqs) for s in sizes})
 
 
+def smallest_bucket(buckets: list[int], batch: int) -> int:
+    """The smallest of the sorted `buckets` that holds `batch` rows."""
+    return next(b for b in buckets if b >= batch)
+
+
 def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
     """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
     bucket that holds it, and whether the graph does the LoRA work (there are adapter slots and some row
     uses one)."""
-    size = next(b for b in buckets if b >= batch)
-    return size, num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
+    return smallest_bucket(buckets, batch), num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
 
 
 class StagedBlockTables:
@@ -168,7 +172,7 @@ class DecodeGraphs:
 
     def bucket(self, batch: int) -> int:
         """The smallest captured batch size that holds `batch` (which `fits`)."""
-        return next(b for b in self.buckets if b >= batch)
+        return smallest_bucket(self.buckets, batch)
 
     def key(self, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, and whether it
