@@ -8,11 +8,12 @@ from HBM as they would in a real step; the time is the median of CUDA-event timi
 The floor is the bytes that must move (x once, each distinct adapter's A and B once, h,
 y read and written once) over the HBM bandwidth measured here with a large copy.
 
-    python benchmarks/lora_kernels.py --out DIR [--sweep] [--budget-s S]
+    python benchmarks/lora_kernels.py --out DIR [--sweep [CLASS ...]] [--budget-s S]
 
 `--sweep` first times candidate launch configs per shape class and uses the winners (it
-prints them as the table for `kernels/lora_tuning.py`). Results go to DIR/lora_kernels.json and
-DIR/lora_kernels.md as they come; a short per-layer table is printed last. Without CUDA
+prints them as the table for `kernels/lora_tuning.py`); `--sweep bgmv` sweeps only the classes
+named (bgmv, sgmv_small, sgmv) and keeps the committed configs of the others. Results go to
+DIR/lora_kernels.json and DIR/lora_kernels.md as they come; a short per-layer table is printed last. Without CUDA
 (`TRITON_INTERPRET=1`, `--smoke`) it runs tiny shapes to check the script itself.
 """
 
@@ -60,10 +61,12 @@ LLAMA3_8B = (
 SMOKE = (Group("qkv", 96, (64, 16, 16)), Group("o", 64, (64,)), Group("gate_up", 64, (80, 80)), Group("down", 80, (64,)))
 
 # Candidates for --sweep, per path (block_r and block_k are capped at the rank and K at launch).
+# BGMV shrink (4, 2048, 1, 4): reads each token's x 4 times at rank 16 where block_r 1 reads it 16 times, at 48
+# registers a thread on sm_90 (the committed multi-slice config takes 37).
 BGMV_SHRINK = [
     ShrinkConfig(block_r=br, block_k=bk, split_k=sk, num_warps=w, num_stages=1)
     for br, bk, sk, w in [(1, 2048, 1, 4), (1, 16384, 1, 4), (1, 16384, 1, 8), (2, 8192, 1, 8), (4, 4096, 1, 8),
-                          (4, 512, 1, 4), (8, 2048, 1, 8), (2, 4096, 2, 4)]
+                          (4, 2048, 1, 4), (4, 512, 1, 4), (8, 2048, 1, 8), (2, 4096, 2, 4)]
 ]
 BGMV_EXPAND = [
     ExpandConfig(block_n=bn, block_r=br, num_warps=w, num_stages=1, n_blocks=g)
@@ -313,11 +316,22 @@ class Bench:
 
 # ---------------------------------------------------------------- sweep
 
+# Shape classes of --sweep: the per-token path, the 16-row segment tiles, the larger tiles (their height swept too).
+SWEEP_CLASSES = ("bgmv", "sgmv_small", "sgmv")
+
+
+def sweep_class(key: tuple) -> str:
+    """The sweep class of a `lora_tuning` table key (path, block_m, ...)."""
+    if key[0] == "bgmv":
+        return "bgmv"
+    return "sgmv_small" if key[1] == 16 else "sgmv"
+
 
 def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 64)) -> dict:
-    """Time candidate configs per shape class, install the winners for the rest of the run and return them.
+    """Time candidate configs per shape class, install the winners for the rest of the run and return the table.
 
-    `classes` maps "bgmv", "sgmv_small", "sgmv" to the (tokens, adapters) scenarios that score them.
+    `classes` maps some of SWEEP_CLASSES to the (tokens, adapters) scenarios that score them; the classes it
+    leaves out keep their committed configs.
     """
     groups = {g.name: g for g in bench.groups}
     iters, bench.timer.iters = bench.timer.iters, 10
@@ -354,21 +368,23 @@ def sweep(bench: Bench, log: list, classes: dict, ranks: tuple[int, ...] = (16, 
             total += us
         return total
 
-    tune("bgmv", 0, BGMV_SHRINK, BGMV_EXPAND, classes["bgmv"])
-    tune("sgmv", 16, SGMV_SHRINK_SMALL, SGMV_EXPAND, classes["sgmv_small"])
-    totals = {bm: tune("sgmv", bm, SGMV_SHRINK, SGMV_EXPAND, classes["sgmv"]) for bm in SGMV_BLOCK_M}
-    block_m = min(totals, key=totals.get)
-    shrink_wins = {k: v for k, v in shrink_wins.items() if k[1] in (0, 16, block_m)}
-    expand_wins = {k: v for k, v in expand_wins.items() if k[1] in (0, 16, block_m)}
-    lora_tuning._SHRINK.clear()
-    lora_tuning._SHRINK.update(shrink_wins)
-    lora_tuning._EXPAND.clear()
-    lora_tuning._EXPAND.update(expand_wins)
+    if "bgmv" in classes:
+        tune("bgmv", 0, BGMV_SHRINK, BGMV_EXPAND, classes["bgmv"])
+    if "sgmv_small" in classes:
+        tune("sgmv", 16, SGMV_SHRINK_SMALL, SGMV_EXPAND, classes["sgmv_small"])
+    totals = {bm: tune("sgmv", bm, SGMV_SHRINK, SGMV_EXPAND, classes["sgmv"]) for bm in SGMV_BLOCK_M} \
+        if "sgmv" in classes else {}
+    block_m = min(totals, key=totals.get) if totals else lora_tuning.SGMV_BLOCK_M
+    for table, wins in ((lora_tuning._SHRINK, shrink_wins), (lora_tuning._EXPAND, expand_wins)):
+        kept = {k: v for k, v in table.items() if sweep_class(k) not in classes}
+        table.clear()
+        table.update(kept | {k: v for k, v in wins.items() if k[1] in (0, 16, block_m)})
     lora_tuning.SGMV_BLOCK_M = block_m
     lora_tuning.shrink_config.cache_clear()
     lora_tuning.expand_config.cache_clear()
     bench.timer.iters = iters
-    return {"block_m": block_m, "block_m_totals_us": totals, "shrink": shrink_wins, "expand": expand_wins}
+    return {"block_m": block_m, "block_m_totals_us": totals, "shrink": dict(lora_tuning._SHRINK),
+            "expand": dict(lora_tuning._EXPAND)}
 
 
 def table_source(winners: dict) -> str:
@@ -426,18 +442,19 @@ def scenarios(ranks: list[int], smoke: bool) -> list[Scenario]:
     return first + [s for s in rest if s not in first]
 
 
-def run_sweep(bench: Bench, sweep_log: list, meta: dict, smoke: bool) -> None:
-    """Sweep the classes at the shapes that score them and record the winners in meta."""
+def run_sweep(bench: Bench, sweep_log: list, meta: dict, smoke: bool,
+              wanted: tuple[str, ...] = SWEEP_CLASSES) -> None:
+    """Sweep the `wanted` classes at the shapes that score them and record the resulting table in meta."""
     if smoke:
         for name in ("BGMV_SHRINK", "BGMV_EXPAND", "SGMV_SHRINK_SMALL", "SGMV_SHRINK", "SGMV_EXPAND"):
             globals()[name] = globals()[name][:2]
         classes = {"bgmv": [(8, 8)], "sgmv_small": [(40, 4)], "sgmv": [(40, 4)]}
-        winners = sweep(bench, sweep_log, classes, ranks=(16,))
+        winners = sweep(bench, sweep_log, {c: classes[c] for c in wanted}, ranks=(16,))
     else:
         # BGMV is scored at the decode graphs' top bucket too (128 tokens, serving workloads (c) and (d))
         classes = {"bgmv": [(128, 64), (64, 64), (16, 8)], "sgmv_small": [(256, 64), (256, 8)],
                    "sgmv": [(8192, 8), (1024, 64)]}
-        winners = sweep(bench, sweep_log, classes)
+        winners = sweep(bench, sweep_log, {c: classes[c] for c in wanted})
     meta["sweep_winners"] = table_source(winners)
     meta["sweep_block_m_totals_us"] = winners["block_m_totals_us"]
     print("sweep winners:\n" + meta["sweep_winners"], flush=True)
@@ -446,7 +463,8 @@ def run_sweep(bench: Bench, sweep_log: list, meta: dict, smoke: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("."))
-    parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--sweep", nargs="*", choices=SWEEP_CLASSES, metavar="CLASS",
+                        help=f"sweep launch configs first: of the classes named ({', '.join(SWEEP_CLASSES)}), or all")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new scenarios after this")
     parser.add_argument("--iters", type=int, default=30)
@@ -467,9 +485,9 @@ def main() -> None:
     print(f"{meta['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth)
     sweep_log: list = []
-    if args.sweep:
+    if args.sweep is not None:
         try:
-            run_sweep(bench, sweep_log, meta, args.smoke)
+            run_sweep(bench, sweep_log, meta, args.smoke, tuple(args.sweep) or SWEEP_CLASSES)
         except Exception:  # noqa: BLE001 - without winners the committed table still gives a full run
             meta["sweep_error"] = traceback.format_exc(limit=4)
             print(meta["sweep_error"], flush=True)

@@ -75,37 +75,78 @@ def _plus_delta(y, b_ptr, cols, mask, h_row, R: tl.constexpr, BLOCK_R: tl.conste
 
 
 @triton.jit
+def _row_chunk(ptr, row, stride, cols, mask):
+    """Columns `cols` of a row of a [rows, n] tensor, zero where masked."""
+    return tl.load(ptr + row * stride + cols, mask=mask, other=0.0)
+
+
+@triton.jit
+def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R: tl.constexpr,
+                 HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr):
+    """x + delta, rounded, (+ residual, rounded) at `cols` of a row. The residual is loaded before the delta's sum,
+    with B, not after it. (Loaded ahead of the branch, it made Triton sum the row's squares in another layout,
+    so in another order, than before.)"""
+    x = _row_chunk(x_ptr, row, stride_x, cols, mask)
+    if adapter >= 0:
+        if HAS_RESIDUAL:
+            r = _row_chunk(res_ptr, row, stride_res, cols, mask)
+        x = _plus_delta(x, b_ptr, cols, mask, h_row, R, BLOCK_R)
+    else:
+        if HAS_RESIDUAL:
+            r = _row_chunk(res_ptr, row, stride_res, cols, mask)
+    if HAS_RESIDUAL:
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x
+
+
+@triton.jit
+def _store_normed(out_ptrs, x, rstd, w, mask):
+    """w * (x * rstd, rounded to x's dtype), rounded, stored."""
+    normed = (x.to(tl.float32) * rstd).to(x.dtype)
+    tl.store(out_ptrs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                            stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_ht,
-                           HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Two passes over column chunks: x + delta (+ residual) stored as the residual out while the squares
-    add up, then the stored row normalized."""
+                           HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                           ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
+    """x + delta (+ residual) stored as the residual out, then normalized. A row of one chunk (ONE_PASS) is read
+    once and normalized from registers, its weight read while the predecessor finishes. A wider row goes in two
+    passes over its chunks: the residual out stored while the squares add up, then reloaded and normalized."""
+    if ONE_PASS:
+        cols = tl.arange(0, CHUNK)
+        mask = cols < n
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: no kernel of the step writes it
+    wait_for_predecessor(USE_PDL)
     adapter = tl.load(adapters_ptr + row)
     b_ptr = b_ptr + adapter.to(tl.int64) * stride_bs
     h_row = h_ptr + row * stride_ht
-    squares = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in range(0, n, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < n
-        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
-        if adapter >= 0:
-            x = _plus_delta(x, b_ptr, cols, mask, h_row, R, BLOCK_R)
-        if HAS_RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    if ONE_PASS:
+        x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R,
+                         HAS_RESIDUAL, BLOCK_R)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         h = x.to(tl.float32)
-        squares += h * h
-    rstd = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
-    tl.debug_barrier()  # the second pass reads what other threads of the program stored
-    for c0 in range(0, n, CHUNK):
-        cols = c0 + tl.arange(0, CHUNK)
-        mask = cols < n
-        x = tl.load(res_out_ptr + row * stride_res_out + cols, mask=mask, other=0.0)
-        normed = (x.to(tl.float32) * rstd).to(x.dtype)
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        tl.store(out_ptr + row * stride_out + cols, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype),
-                 mask=mask)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
+        _store_normed(out_ptr + row * stride_out + cols, x, rstd, w, mask)
+    else:
+        squares = tl.zeros([CHUNK], dtype=tl.float32)
+        for c0 in range(0, n, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < n
+            x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R,
+                             HAS_RESIDUAL, BLOCK_R)
+            tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+            h = x.to(tl.float32)
+            squares += h * h
+        rstd = tl.rsqrt(tl.sum(squares, axis=0) / n + eps)
+        tl.debug_barrier()  # the second pass reads what other threads of the program stored
+        for c0 in range(0, n, CHUNK):
+            cols = c0 + tl.arange(0, CHUNK)
+            mask = cols < n
+            x = _row_chunk(res_out_ptr, row, stride_res_out, cols, mask)
+            w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+            _store_normed(out_ptr + row * stride_out + cols, x, rstd, w, mask)
 
 
 @triton.jit
@@ -113,13 +154,12 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
                          stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_hn,
                          stride_ht,
                          HAS_RESIDUAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
-                         BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+                         BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if HAS_LORA:
-        wait_for_predecessor(USE_PDL)
         _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                                stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R, stride_bs, stride_ht,
-                               HAS_RESIDUAL, BLOCK, BLOCK_R)
+                               HAS_RESIDUAL, BLOCK, BLOCK_R, ONE_PASS, USE_PDL)
     else:
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -140,7 +180,8 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                  lora: LoRADelta | None = None, *,
                  config: LoRAOpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One program per row; with `lora` the row goes in `config.chunk`-column steps (x stays as it is)."""
+    """One program per row; with `lora` a row wider than `config.chunk` goes in chunks of that many columns, in
+    two passes (x stays as it is)."""
     rows, n = x.shape
     out = torch.empty_like(x)
     hidden = x if residual is None and lora is None else torch.empty_like(x)
@@ -154,7 +195,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         x, residual if residual is not None else x, weight, out, hidden, x.stride(0),
         residual.stride(0) if residual is not None else 0, out.stride(0), hidden.stride(0), n, eps,
         *_lora_args(lora, 1, x), HAS_RESIDUAL=residual is not None, HAS_LORA=lora is not None, BLOCK=block,
-        BLOCK_R=_block_r(lora, config), num_warps=num_warps, **pdl_launch(x.device),
+        BLOCK_R=_block_r(lora, config), ONE_PASS=n <= block, num_warps=num_warps, **pdl_launch(x.device),
     )
     return out, hidden
 
