@@ -7,7 +7,10 @@ With a `LoRADelta` each op also applies the LoRA expand of the projection it con
 program reads the h row and the B[slot] rows of the columns it produces and adds the delta, rounded
 once, before the op's own math (tokens of slot -1 read no B). The B tiles are [columns, rank block],
 so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a delta (`HAS_LORA`
-false) each kernel compiles to the code it had before.
+false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps the LoRA
+kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
+`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens, or, for an op without one, to the
+segment expand followed by the plain op.
 """
 from __future__ import annotations
 
@@ -17,8 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fused_lora_tiles_triton as tiles
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_rows, slot_stacks
+from kernels.lora_tuning import choose_path
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -62,6 +67,12 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
     b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
     return (h, *b_slices, lora.meta.slots, lora.rank, *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
+
+
+def _tiled(lora: LoRADelta) -> bool:
+    """Whether a delta goes to the tiled variants: steps the LoRA kernels run in segments (`choose_path`), where
+    reading B once per token would cost more than the fold saves."""
+    return choose_path(lora.meta.num_tokens) == "sgmv"
 
 
 def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
@@ -229,8 +240,11 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *,
                  config: LoRAOpConfig | None = None) -> torch.Tensor:
     """A grid of (row, column block); with `lora` a block is `config.chunks_per_program` chunks of
-    `config.chunk` columns (gate_up stays as it is)."""
+    `config.chunk` columns (gate_up stays as it is). With `lora` on a step of the segment path, the tiled
+    variant (`fused_lora_tiles_triton`, its own launch configs)."""
     rows, width = gate_up.shape
+    if lora is not None and _tiled(lora):
+        return tiles.silu_and_mul(gate_up, lora)
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if lora is None:
@@ -386,6 +400,10 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     kv_heads = k.shape[1]
     if tokens == 0:
         return
+    if lora is not None and _tiled(lora):  # no tiled variant: the segment expand in place, then the plain op
+        for i, t in enumerate((q, k, v)):
+            lora.slice(i).apply(t.view(tokens, -1))
+        lora = None
     if lora is None:
         grid, heads_per_program, num_warps = (tokens,), 1, 4
     else:

@@ -1,0 +1,161 @@
+"""The tiled (segment, "SGMV") LoRA variants of the fused ops against "segment expand first, then the op".
+
+A program takes a tile of same-slot tokens from the step's metadata, so the cases are about tiles: tokens
+unsorted across slots, a slot with more tokens than a tile holds, empty slots, base-only steps, base rows
+mixed in, a rank that is not a power of two (and one past the rank block, which loops) and widths that are
+not. Outputs start as NaN, so a row no program writes fails. As in test_fused_lora, h and B hold multiples of
+1/8 and 1/16 (the delta's float32 sum is exact in any order) and the oracle is the same backend's expand and
+plain op, which the tiled variants must match exactly; one test per op holds them to float64 with random
+values. The dispatcher test checks which variant a step's token count gets.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import LoRADelta, lora_tuning
+from tests.kernels.lora_cases import (
+    NUM_SLOTS,
+    exact_delta,
+    expand_reference,
+    random_weights,
+    record_calls,
+    slots_tensor,
+    triton_runs_in_process,
+)
+
+pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
+                                reason="Triton was imported before its interpreter could be enabled")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _shuffled(slots: list[int]) -> list[int]:
+    random.Random(0).shuffle(slots)
+    return slots
+
+
+# name -> per-token slots; tiles are 16 or 32 tokens
+PATTERNS: dict[str, list[int]] = {
+    # slot 2 spans three 16-token tiles, slots 1 and 3 have no tokens, base rows between
+    "unsorted_mixed": _shuffled([2] * 37 + [0] * 5 + [4] + [-1] * 9),
+    "all_base": [-1] * 20,
+    "one_slot": [3] * 33,
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Tile height of the metadata, the rank, and the launch config (None: the module's default)."""
+
+    block_m: int
+    rank: int
+    config: object = None
+
+
+def _launches():
+    from kernels.fused_lora_tiles_triton import LoRATileConfig
+
+    small = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=16)
+    return [pytest.param(Launch(16, 12), id="tile16-default"),
+            pytest.param(Launch(32, 20, small), id="tile32-in-parts-rank20")]
+
+
+@pytest.fixture(params=PATTERNS.values(), ids=PATTERNS.keys())
+def slots(request) -> list[int]:
+    return request.param
+
+
+@pytest.fixture(params=_launches())
+def launch(request) -> Launch:
+    return request.param
+
+
+def _config(launch: Launch) -> dict:
+    return {} if launch.config is None else {"config": launch.config}
+
+
+def _expanded(y: torch.Tensor, delta: LoRADelta) -> torch.Tensor:
+    """A copy of y with the delta applied by the Triton segment expand."""
+    from kernels import lora_triton
+
+    y = y.clone()
+    lora_triton.expand_slices(y, delta.h, delta.b_slices, delta.meta, path="sgmv")
+    return y
+
+
+def _poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _float64_expanded(y: torch.Tensor, delta: LoRADelta, slots: list[int]) -> torch.Tensor:
+    return expand_reference(y, delta.h, delta.b_slices, slots_tensor(slots, DEVICE))
+
+
+def _random_delta(slots: list[int], widths: list[int], rank: int, block_m: int) -> LoRADelta:
+    """Random h (zero on base rows) and B in float32, on metadata of `block_m`-token tiles."""
+    delta = exact_delta(slots, widths, rank, torch.float32, seed=9, device=DEVICE, block_m=block_m)
+    h = torch.randn(delta.h.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    h[:, slots_tensor(slots, DEVICE) < 0] = 0.0
+    return LoRADelta(h, tuple(random_weights([(w, rank) for w in widths], torch.float32, DEVICE)), delta.meta)
+
+
+# silu_and_mul
+
+INTERMEDIATE = 80
+
+
+def _gate_up(slots: list[int], dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(len(slots), 2 * INTERMEDIATE, generator=gen) * 3).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_silu_and_mul_equals_expand_then_op(slots, launch, dtype):
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    gate_up = _gate_up(slots, dtype)
+    lora = exact_delta(slots, [INTERMEDIATE] * 2, launch.rank, dtype, seed=4, device=DEVICE, block_m=launch.block_m)
+    got = tiles.silu_and_mul(gate_up, lora, out=_poisoned(len(slots), INTERMEDIATE, dtype=dtype), **_config(launch))
+    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+
+
+def test_tiled_silu_and_mul_matches_float64(launch):
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    gate_up = _gate_up(slots, torch.float32)
+    lora = _random_delta(slots, [INTERMEDIATE] * 2, launch.rank, launch.block_m)
+    gate, up = _float64_expanded(gate_up, lora, slots).chunk(2, dim=-1)
+    got = tiles.silu_and_mul(gate_up, lora, **_config(launch))
+    torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_silu_and_mul_leaves_gate_up_unchanged():
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    gate_up = _gate_up(slots, torch.bfloat16)
+    before = gate_up.clone()
+    tiles.silu_and_mul(gate_up, exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE))
+    assert torch.equal(gate_up, before)
+
+
+# the dispatcher
+
+@pytest.mark.parametrize("num_tokens", [lora_tuning.SGMV_MIN_TOKENS - 1, lora_tuning.SGMV_MIN_TOKENS])
+def test_steps_of_the_segment_path_take_the_tiled_variant(num_tokens, monkeypatch):
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    launches = record_calls(monkeypatch, tiles, "_silu_and_mul_tiles_kernel")
+    slots = [t % (NUM_SLOTS + 1) - 1 for t in range(num_tokens)]
+    gate_up = _gate_up(slots, torch.float32)[:, :32]
+    lora = exact_delta(slots, [16, 16], 8, torch.float32, seed=4, device=DEVICE)
+    got = fused_triton.silu_and_mul(gate_up, lora)
+    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+    assert len(launches) == (lora_tuning.choose_path(num_tokens) == "sgmv")
