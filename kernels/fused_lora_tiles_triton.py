@@ -62,9 +62,9 @@ def _tile_args(lora: LoRADelta) -> tuple:
 
 
 def _launch(lora: LoRADelta, config: LoRATileConfig) -> dict:
-    """The constexprs and launch options every tiled kernel takes: tile height, rows per program, rank."""
+    """The constexprs and launch options every tiled kernel takes: rows per program, rank, rank block."""
     block_m = lora.meta.block_m
-    return dict(R=lora.rank, BLOCK_M=block_m, ROWS=min(config.rows or block_m, block_m),
+    return dict(R=lora.rank, ROWS=min(config.rows or block_m, block_m),
                 BLOCK_R=max(MIN_BLOCK_R, min(config.block_r, triton.next_power_of_2(lora.rank))),
                 DOT_F32=dot_f32(lora.b_slices[0].dtype), num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -96,7 +96,7 @@ def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, 
 @triton.jit
 def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
                                tile_slot_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up, stride_hn,
-                               stride_ht, R: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr,
+                               stride_ht, R: tl.constexpr, ROWS: tl.constexpr,
                                CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     rows, in_use, slot = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
                                     tl.program_id(2), ROWS)
@@ -134,3 +134,61 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
     _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
                                      CHUNK=chunk, **_launch(lora, config))
     return out
+
+
+@triton.jit
+def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
+                               stride_res_out, n, eps, h_ptr, b_ptr, order_ptr, tile_slot_ptr, tile_start_ptr,
+                               tile_len_ptr, stride_bs, stride_hn, stride_ht, HAS_RESIDUAL: tl.constexpr,
+                               R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                               BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """Two walks over the rows' columns: x + delta (+ residual), each rounded, stored as the residual out while
+    the squares add up; then the stored rows reloaded and normalized."""
+    rows, in_use, slot = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
+                                    tl.program_id(1), ROWS)
+    h_rows = h_ptr + rows[:, None] * stride_ht
+    b_ptr = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    squares = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    for c0 in range(0, n, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        col_mask = cols < n
+        mask = in_use[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if slot >= 0:
+            x = _plus_delta_tile(x, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], x, mask=mask)
+        h = x.to(tl.float32)
+        squares += h * h
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / n + eps)[:, None]
+    tl.debug_barrier()  # the second walk reads what other threads of the program stored
+    for c0 in range(0, n, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = in_use[:, None] & (cols < n)[None, :]
+        x = tl.load(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)[None, :]
+        normed = (x.to(tl.float32) * rstd).to(x.dtype)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+                 (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lora: LoRADelta,
+                 *, config: LoRATileConfig | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(x + delta + residual), x + delta + residual) for x [T, N], into `out` (normed, residual
+    out) when given: a grid of (tile, part of the tile), each program walking its rows in chunks of
+    `config.chunk` columns; x stays as it is."""
+    rows, n = x.shape
+    normed, hidden = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
+    if rows == 0:
+        return normed, hidden
+    config = config or LORA_TILE_CONFIGS["add_rms_norm"]
+    chunk = min(config.chunk, max(16, triton.next_power_of_2(n)))
+    _add_rms_norm_tiles_kernel[(lora.meta.num_tiles, _row_blocks(lora, config))](
+        x, residual if residual is not None else x, weight, normed, hidden, x.stride(0),
+        residual.stride(0) if residual is not None else 0, normed.stride(0), hidden.stride(0), n, eps,
+        *_tile_args(lora), HAS_RESIDUAL=residual is not None, CHUNK=chunk, **_launch(lora, config),
+    )
+    return normed, hidden

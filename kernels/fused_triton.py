@@ -192,8 +192,10 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  lora: LoRADelta | None = None, *,
                  config: LoRAOpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One program per row; with `lora` a row wider than `config.chunk` goes in chunks of that many columns, in
-    two passes (x stays as it is)."""
+    two passes (x stays as it is). With `lora` on a step of the segment path, the tiled variant."""
     rows, n = x.shape
+    if lora is not None and _tiled(lora):
+        return tiles.add_rms_norm(x, residual, weight, eps, lora)
     out = torch.empty_like(x)
     hidden = x if residual is None and lora is None else torch.empty_like(x)
     if lora is None:

@@ -25,6 +25,7 @@ from tests.kernels.lora_cases import (
     record_calls,
     slots_tensor,
     triton_runs_in_process,
+    within_a_rounding,
 )
 
 pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
@@ -145,17 +146,76 @@ def test_tiled_silu_and_mul_leaves_gate_up_unchanged():
     assert torch.equal(gate_up, before)
 
 
-# the dispatcher
+# add_rms_norm
 
-@pytest.mark.parametrize("num_tokens", [lora_tuning.SGMV_MIN_TOKENS - 1, lora_tuning.SGMV_MIN_TOKENS])
-def test_steps_of_the_segment_path_take_the_tiled_variant(num_tokens, monkeypatch):
+WIDTH, EPS = 72, 1e-6
+
+
+def _norm_inputs(slots: list[int], dtype: torch.dtype, with_residual: bool):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(slots), WIDTH, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(len(slots), WIDTH, generator=gen).to(DEVICE, dtype) if with_residual else None
+    return x, residual, torch.rand(WIDTH, generator=gen).add(0.5).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_tiled_add_rms_norm_equals_expand_then_norm(slots, launch, dtype, with_residual):
+    """The residual out exactly; the normed rows within a rounding (the squares add up in chunks)."""
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_triton
 
-    launches = record_calls(monkeypatch, tiles, "_silu_and_mul_tiles_kernel")
+    x, residual, weight = _norm_inputs(slots, dtype, with_residual)
+    lora = exact_delta(slots, [WIDTH], launch.rank, dtype, seed=2, device=DEVICE, block_m=launch.block_m)
+    poisoned = (_poisoned(len(slots), WIDTH, dtype=dtype), _poisoned(len(slots), WIDTH, dtype=dtype))
+    out, hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, out=poisoned, **_config(launch))
+    want_out, want_hidden = fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)
+    torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=0)
+    within_a_rounding(out, want_out)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_tiled_add_rms_norm_matches_float64(launch, with_residual):
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    x, residual, weight = _norm_inputs(slots, torch.float32, with_residual)
+    lora = _random_delta(slots, [WIDTH], launch.rank, launch.block_m)
+    hidden = _float64_expanded(x, lora, slots) + (0 if residual is None else residual.double())
+    normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    got_out, got_hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, **_config(launch))
+    torch.testing.assert_close(got_hidden.double(), hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_out.double(), normed, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_add_rms_norm_leaves_x_unchanged():
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    x, residual, weight = _norm_inputs(slots, torch.bfloat16, True)
+    before = x.clone()
+    tiles.add_rms_norm(x, residual, weight, EPS, exact_delta(slots, [WIDTH], 12, torch.bfloat16, seed=2,
+                                                              device=DEVICE))
+    assert torch.equal(x, before)
+
+
+# the dispatcher
+
+@pytest.mark.parametrize("num_tokens", [lora_tuning.SGMV_MIN_TOKENS - 1, lora_tuning.SGMV_MIN_TOKENS])
+def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypatch):
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    launches = record_calls(monkeypatch, tiles, "_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel")
     slots = [t % (NUM_SLOTS + 1) - 1 for t in range(num_tokens)]
     gate_up = _gate_up(slots, torch.float32)[:, :32]
     lora = exact_delta(slots, [16, 16], 8, torch.float32, seed=4, device=DEVICE)
     got = fused_triton.silu_and_mul(gate_up, lora)
     torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
-    assert len(launches) == (lora_tuning.choose_path(num_tokens) == "sgmv")
+    x, residual, weight = _norm_inputs(slots, torch.float32, True)
+    lora = exact_delta(slots, [WIDTH], 8, torch.float32, seed=2, device=DEVICE)
+    got = fused_triton.add_rms_norm(x, residual, weight, EPS, lora)[1]
+    torch.testing.assert_close(got, fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)[1],
+                               rtol=0, atol=0)
+    tiled = lora_tuning.choose_path(num_tokens) == "sgmv"
+    assert [call.name for call in launches] == ["_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel"] * tiled
