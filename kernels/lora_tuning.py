@@ -5,7 +5,7 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`) and whether decode graphs fold each expand into the fused op after it (`fold_expand`).
+(`choose_path`) and whether steps fold each expand into the fused op after it (`fold_expand`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ SGMV_MIN_TOKENS = 129
 # SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
 SGMV_LARGE_TOKENS = 512
 SGMV_BLOCK_M = 64
-# In CUDA-graph decode buckets on the per-token path, leave each expand to the fused op that consumes the
-# projection (`LoRAStep.fold_expand`). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
+# Leave each expand to the fused op that consumes the projection (`LoRAStep.fold_expand`): in CUDA-graph decode
+# buckets on the per-token path, eager steps and piecewise mixed steps (on the segment path the ops' tiled
+# variants add the deltas). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
 FOLD_EXPAND = True
 FOLD_EXPAND_ENV = "LORASERVE_LORA_FOLD"
 
@@ -81,7 +82,7 @@ def choose_path(num_tokens: int) -> str:
 
 
 def fold_expand() -> bool:
-    """Whether BGMV decode graphs fold the expands: FOLD_EXPAND unless LORASERVE_LORA_FOLD says otherwise."""
+    """Whether steps fold the expands into the fused ops: FOLD_EXPAND unless LORASERVE_LORA_FOLD says otherwise."""
     return env_switch(FOLD_EXPAND_ENV, "1", "0", FOLD_EXPAND)
 
 
