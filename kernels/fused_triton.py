@@ -189,13 +189,14 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 lora: LoRADelta | None = None, *,
-                 config: LoRAOpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None,
+                 tile_config: tiles.LoRATileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One program per row; with `lora` a row wider than `config.chunk` goes in chunks of that many columns, in
-    two passes (x stays as it is). With `lora` on a step of the segment path, the tiled variant."""
+    two passes (x stays as it is). With `lora` on a step of the segment path, the tiled variant in its launch
+    shape `tile_config`."""
     rows, n = x.shape
     if lora is not None and _tiled(lora):
-        return tiles.add_rms_norm(x, residual, weight, eps, lora)
+        return tiles.add_rms_norm(x, residual, weight, eps, lora, config=tile_config)
     out = torch.empty_like(x)
     hidden = x if residual is None and lora is None else torch.empty_like(x)
     if lora is None:
@@ -239,14 +240,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
                  mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *,
-                 config: LoRAOpConfig | None = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None,
+                 tile_config: tiles.LoRATileConfig | None = None) -> torch.Tensor:
     """A grid of (row, column block); with `lora` a block is `config.chunks_per_program` chunks of
     `config.chunk` columns (gate_up stays as it is). With `lora` on a step of the segment path, the tiled
-    variant (`fused_lora_tiles_triton`, its own launch configs)."""
+    variant (`fused_lora_tiles_triton`) in its launch shape `tile_config`."""
     rows, width = gate_up.shape
     if lora is not None and _tiled(lora):
-        return tiles.silu_and_mul(gate_up, lora)
+        return tiles.silu_and_mul(gate_up, lora, config=tile_config)
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if lora is None:
