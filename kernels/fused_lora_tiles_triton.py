@@ -25,8 +25,8 @@ MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 
 @dataclass(frozen=True)
 class LoRATileConfig:
-    """Launch shape of a tiled variant: `chunk` columns per program (silu_and_mul) or per step of a row walk
-    (add_rms_norm); `block_r` rank columns per dot (at least 16; larger ranks loop); `rows`: token rows per
+    """Launch shape of a tiled variant: `chunk` columns per program (silu_and_mul), per step of a row walk
+    (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16; larger ranks loop); `rows`: token rows per
     program, a part of a tile (0: the whole tile), for more programs when there are few tiles."""
 
     chunk: int
@@ -49,6 +49,7 @@ class LoRATileConfig:
 LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
     "silu_and_mul": LoRATileConfig(chunk=128, block_r=16, num_warps=4),
     "add_rms_norm": LoRATileConfig(chunk=256, block_r=16, num_warps=8, rows=16),
+    "rotary_and_write_kv": LoRATileConfig(chunk=2, block_r=16, num_warps=4),
 }
 
 
@@ -192,3 +193,113 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         *_tile_args(lora), HAS_RESIDUAL=residual is not None, CHUNK=chunk, **_launch(lora, config),
     )
     return normed, hidden
+
+
+@triton.jit
+def _halves_plus_delta(base, mask, h_rows, in_use, b_ptr, cols, col_mask, slot, R: tl.constexpr,
+                       ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """The halves at `base` and `base + HALF` ([ROWS, heads x half]) with the delta of B rows `cols` and
+    `cols + HALF` added (none for base tokens)."""
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    if slot >= 0:
+        x1 = _plus_delta_tile(x1, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+        x2 = _plus_delta_tile(x2, h_rows, in_use, b_ptr, cols + HALF, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+    return x1, x2
+
+
+@triton.jit
+def _store_rotated(base, x1, x2, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate the halves x1, x2 (each result rounded to their dtype), store them at `base` and `base + HALF` and
+    return them."""
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    y1, y2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _store_cache(cache_ptr, row_offsets, x1, x2, mask, HALF: tl.constexpr):
+    tl.store(cache_ptr + row_offsets, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + row_offsets + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+# positions and KV slots: not specialized on alignment (see `fused_triton._rotary_and_write_kv_kernel`)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slots_ptr"])
+def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+                         stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
+                         order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, sbq, sbk, sbv, stride_hn, stride_ht,
+                         R: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                         HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (tile, j, part): a chunk of the rows' q heads, of their k heads (and cache rows) or of their v heads
+    (and theirs), laid out flat as (head, dim in half) per row."""
+    rows, in_use, slot = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
+                                    tl.program_id(2), ROWS)
+    j = tl.program_id(1)
+    e = tl.arange(0, HEADS_PER_PROGRAM * HALF_PAD)
+    dims = e % HALF_PAD
+    local_head = e // HALF_PAD
+    in_half = dims < HALF
+    pos = tl.load(pos_ptr + rows, mask=in_use, other=0).to(tl.int64)
+    table_mask = in_use[:, None] & in_half[None, :]
+    cos = tl.load(cos_ptr + pos[:, None] * stride_table + dims[None, :], mask=table_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_table + dims[None, :], mask=table_mask, other=0.0)
+    cache_slot = tl.load(slots_ptr + rows, mask=in_use, other=0).to(tl.int64)
+    h_rows = h_ptr + rows[:, None] * stride_ht
+    adapter = tl.maximum(slot, 0).to(tl.int64)
+    q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
+    kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
+    if j < q_programs:
+        head = j * HEADS_PER_PROGRAM + local_head
+        col_mask = (head < heads) & in_half
+        mask = in_use[:, None] & col_mask[None, :]
+        base = q_ptr + rows[:, None] * stride_qt + (head * stride_qh + dims)[None, :]
+        x1, x2 = _halves_plus_delta(base, mask, h_rows, in_use, bq_ptr + adapter * sbq, head * (2 * HALF) + dims,
+                                    col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
+        _store_rotated(base, x1, x2, cos, sin, mask, HALF)
+    elif j < q_programs + kv_programs:
+        head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
+        col_mask = (head < kv_heads) & in_half
+        mask = in_use[:, None] & col_mask[None, :]
+        base = k_ptr + rows[:, None] * stride_kt + (head * stride_kh + dims)[None, :]
+        x1, x2 = _halves_plus_delta(base, mask, h_rows + stride_hn, in_use, bk_ptr + adapter * sbk,
+                                    head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
+        y1, y2 = _store_rotated(base, x1, x2, cos, sin, mask, HALF)
+        _store_cache(k_cache_ptr, cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
+                     y1, y2, mask, HALF)
+    else:
+        head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
+        col_mask = (head < kv_heads) & in_half
+        mask = in_use[:, None] & col_mask[None, :]
+        base = v_ptr + rows[:, None] * stride_vt + (head * stride_vh + dims)[None, :]
+        x1, x2 = _halves_plus_delta(base, mask, h_rows + 2 * stride_hn, in_use, bv_ptr + adapter * sbv,
+                                    head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
+        if slot >= 0:
+            tl.store(base, x1, mask=mask)
+            tl.store(base + HALF, x2, mask=mask)
+        _store_cache(v_cache_ptr, cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
+                     x1, x2, mask, HALF)
+
+
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None) -> None:
+    """q, k and v plus their deltas, q and k rotated in place, k and v stored in the caches: a grid of (tile, chunk
+    of `config.chunk` q, k or v heads, part of the tile); v holds its delta after. Shapes and strides as
+    `fused_triton.rotary_and_write_kv` takes them."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if tokens == 0:
+        return
+    config = config or LORA_TILE_CONFIGS["rotary_and_write_kv"]
+    half_pad = triton.next_power_of_2(dim // 2)
+    heads_per_program = max(config.chunk, 16 // half_pad)  # the dot needs 16 columns at least
+    programs = triton.cdiv(heads, heads_per_program) + 2 * triton.cdiv(kv_heads, heads_per_program)
+    _rotary_tiles_kernel[(lora.meta.num_tiles, programs, _row_blocks(lora, config))](
+        q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads,
+        *_tile_args(lora), HALF=dim // 2, HALF_PAD=half_pad, HEADS_PER_PROGRAM=heads_per_program,
+        **_launch(lora, config),
+    )

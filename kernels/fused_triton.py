@@ -9,8 +9,7 @@ once, before the op's own math (tokens of slot -1 read no B). The B tiles are [c
 so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a delta (`HAS_LORA`
 false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps the LoRA
 kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
-`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens, or, for an op without one, to the
-segment expand followed by the plain op.
+`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens.
 """
 from __future__ import annotations
 
@@ -391,10 +390,10 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, lora: LoRADelta | None = None, *,
-                        config: LoRAOpConfig | None = None) -> None:
+                        config: LoRAOpConfig | None = None, tile_config: tiles.LoRATileConfig | None = None) -> None:
     """One launch: without `lora` one program per token rotates its q and k heads in place and stores its
     rotated k and its v; with `lora` a grid of (token, chunk of `config.chunk` q, k or v heads) also adds
-    the deltas (v's in place too).
+    the deltas (v's in place too), or on a step of the segment path the tiled variant in `tile_config`.
 
     q, k, v may be strided views (only the last dim must be dense); the caches are contiguous and
     of one shape [blocks, block_size, kv_heads, D], so a flat slot is block * block_size + offset.
@@ -403,10 +402,10 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     kv_heads = k.shape[1]
     if tokens == 0:
         return
-    if lora is not None and _tiled(lora):  # no tiled variant: the segment expand in place, then the plain op
-        for i, t in enumerate((q, k, v)):
-            lora.slice(i).apply(t.view(tokens, -1))
-        lora = None
+    if lora is not None and _tiled(lora):
+        tiles.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, lora,
+                                  config=tile_config)
+        return
     if lora is None:
         grid, heads_per_program, num_warps = (tokens,), 1, 4
     else:

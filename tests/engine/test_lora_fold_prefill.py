@@ -47,10 +47,11 @@ def test_a_folded_prefill_on_the_segment_path_decodes_as_the_unfolded_one(tiny_l
                 for seed in (1, 2)]
     loras = [adapters[0], None, adapters[1], adapters[0]]
     launches = record_calls(monkeypatch, fused_lora_tiles_triton, "_silu_and_mul_tiles_kernel",
-                            "_add_rms_norm_tiles_kernel")
+                            "_add_rms_norm_tiles_kernel", "_rotary_tiles_kernel")
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "1")
     folded = _greedy_tokens(tiny_llama, loras)
-    assert launches, "a prefill step took the segment path and the tiled variants"
+    assert {call.name for call in launches} == {"_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel",
+                                                "_rotary_tiles_kernel"}, "a step took the segment path"
     launches.clear()
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "0")
     assert _greedy_tokens(tiny_llama, loras) == folded

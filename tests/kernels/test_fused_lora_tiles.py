@@ -23,6 +23,7 @@ from tests.kernels.lora_cases import (
     expand_reference,
     random_weights,
     record_calls,
+    same,
     slots_tensor,
     triton_runs_in_process,
     within_a_rounding,
@@ -199,14 +200,104 @@ def test_tiled_add_rms_norm_leaves_x_unchanged():
     assert torch.equal(x, before)
 
 
+# rotary_and_write_kv
+
+CACHE_BLOCK_SIZE = 4
+
+
+@dataclass
+class RotaryCase:
+    """q/k/v views of one qkv row buffer, rotary tables, NaN-poisoned caches and their slots."""
+
+    shape: tuple[int, int, int]
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: tuple[int, int, int], tokens: int, dtype: torch.dtype) -> RotaryCase:
+        heads, kv_heads, dim = shape
+        gen = torch.Generator().manual_seed(5)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+        freqs = torch.outer(torch.arange(64.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
+        emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32)
+        blocks = tokens // CACHE_BLOCK_SIZE + 2
+        cache = torch.full((blocks, CACHE_BLOCK_SIZE, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+        return cls(shape, qkv, emb.cos(), emb.sin(), torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE), cache,
+                   cache.clone(), torch.randperm(blocks * CACHE_BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE))
+
+    @property
+    def widths(self) -> list[int]:
+        heads, kv_heads, dim = self.shape
+        return [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def to(self, dtype: torch.dtype) -> RotaryCase:
+        return RotaryCase(self.shape, self.qkv.to(dtype), self.cos.to(dtype), self.sin.to(dtype), self.positions,
+                          self.k_cache.to(dtype), self.v_cache.to(dtype), self.slot_mapping)
+
+    def run(self, op, lora: LoRADelta | None = None, **config) -> None:
+        heads, kv_heads, dim = self.shape
+        q, k, v = self.qkv.split(self.widths, dim=-1)
+        tokens = self.qkv.shape[0]
+        views = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+        lora_args = () if lora is None else (lora,)
+        op(*views, self.cos, self.sin, self.positions, self.k_cache, self.v_cache, self.slot_mapping, *lora_args,
+           **config)
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.qkv, self.k_cache, self.v_cache]
+
+
+# (heads, kv_heads, head_dim): the tiny test models, and head counts and half widths that need padding
+HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
+
+
+@pytest.mark.parametrize("shape", HEAD_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, dtype):
+    """q and k end rotated after their delta, v holds its delta, and the caches hold both, for every row."""
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    got = RotaryCase.random(shape, len(slots), dtype)
+    want = RotaryCase.random(shape, len(slots), dtype)
+    lora = exact_delta(slots, got.widths, launch.rank, dtype, seed=6, device=DEVICE, block_m=launch.block_m)
+    got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
+    want.qkv.copy_(_expanded(want.qkv, lora))
+    want.run(fused_triton.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        same(a, b)
+
+
+def test_tiled_rotary_and_write_kv_matches_float64(launch):
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_torch
+
+    slots = PATTERNS["unsorted_mixed"]
+    got = RotaryCase.random((6, 3, 24), len(slots), torch.float32)
+    want = got.to(torch.float64)
+    lora = _random_delta(slots, got.widths, launch.rank, launch.block_m)
+    got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
+    want.qkv.copy_(_float64_expanded(want.qkv, lora, slots))
+    want.run(fused_torch.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
 # the dispatcher
 
 @pytest.mark.parametrize("num_tokens", [lora_tuning.SGMV_MIN_TOKENS - 1, lora_tuning.SGMV_MIN_TOKENS])
 def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypatch):
+    """Up to 128 tokens the per-token variants run, from 129 the tiled ones; both equal expand-then-op."""
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_triton
 
-    launches = record_calls(monkeypatch, tiles, "_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel")
+    kernels = ["_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel", "_rotary_tiles_kernel"]
+    launches = record_calls(monkeypatch, tiles, *kernels)
     slots = [t % (NUM_SLOTS + 1) - 1 for t in range(num_tokens)]
     gate_up = _gate_up(slots, torch.float32)[:, :32]
     lora = exact_delta(slots, [16, 16], 8, torch.float32, seed=4, device=DEVICE)
@@ -217,5 +308,12 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
     got = fused_triton.add_rms_norm(x, residual, weight, EPS, lora)[1]
     torch.testing.assert_close(got, fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)[1],
                                rtol=0, atol=0)
-    tiled = lora_tuning.choose_path(num_tokens) == "sgmv"
-    assert [call.name for call in launches] == ["_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel"] * tiled
+    got, want = RotaryCase.random((4, 2, 16), num_tokens, torch.float32), RotaryCase.random((4, 2, 16), num_tokens,
+                                                                                             torch.float32)
+    lora = exact_delta(slots, got.widths, 8, torch.float32, seed=6, device=DEVICE)
+    got.run(fused_triton.rotary_and_write_kv, lora)
+    want.qkv.copy_(_expanded(want.qkv, lora))
+    want.run(fused_triton.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        same(a, b)
+    assert [call.name for call in launches] == kernels * (lora_tuning.choose_path(num_tokens) == "sgmv")
