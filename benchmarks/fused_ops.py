@@ -12,8 +12,8 @@ The `+lora` rows time each op with the LoRA expand of the projection it consumes
 token on a random adapter of rank 16. Up to 128 tokens (the per-token path) at 64 adapters, one row
 per launch shape (`LoRAOpConfig`: columns or heads per step, rank block, warps); from 129 tokens
 (the segment path, where the expand is SGMV) the tiled variants (`fused_lora_tiles_triton`) at 8
-and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step, rank block, warps,
-rows per program, `mtile` for the whole tile). The kernel's default is marked `*`. The check is the
+and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step or heads per program,
+rank block, warps, rows per program, `mtile` for the whole tile). The kernel's default is marked `*`. The check is the
 relative difference from expand-then-op (zero up to summation order).
 
     python benchmarks/fused_ops.py [--tokens 64 128 8192] [--lora-only] [--ops silu_and_mul ...] [--out DIR]
@@ -96,6 +96,10 @@ LORA_TILE_VARIANTS: dict[str, list[LoRATileConfig]] = {
     "silu_and_mul": [LoRATileConfig(chunk, 16, warps, rows) for chunk, warps, rows in
                      [(64, 4, 0), (128, 4, 0), (128, 8, 0), (256, 8, 0), (64, 4, 32), (128, 4, 32), (256, 8, 32),
                       (128, 4, 16), (256, 4, 16)]],
+    # heads per program, warps, rows per program
+    "rotary_and_write_kv": [LoRATileConfig(heads, 16, warps, rows) for heads, warps, rows in
+                            [(1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0), (1, 4, 16), (2, 4, 16), (4, 4, 16),
+                             (2, 4, 32), (4, 8, 32)]],
 }
 
 
@@ -258,16 +262,28 @@ def _lora_cases(inp: Inputs) -> dict[str, Case]:
 
 def _tile_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
     """'op+lora a<adapters> tile <launch shape>' -> the tiled variant against the SGMV expand, then the op."""
-    x, residual, weight, gate_up = inp.x, inp.residual, inp.weight, inp.gate_up
+    x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
+    cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
     hidden_lora = inp.lora([inp.shapes.hidden], seed=1, adapters=adapters)
     gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2, adapters=adapters)
-    x_scratch, gate_up_scratch = x.clone(), gate_up.clone()
+    qkv_lora = inp.lora(inp.qkv_widths, seed=3, adapters=adapters)
+    x_scratch, gate_up_scratch, qkv_scratch = x.clone(), gate_up.clone(), qkv.clone()
+    q, k, v = inp.qkv_views(qkv_scratch)
+    k_cache, v_cache = inp.caches()
 
     def expand_then_norm():
         return fused_triton.add_rms_norm(_expand(x_scratch, hidden_lora), residual, weight, 1e-5)
 
     def expand_then_silu():
         return fused_triton.silu_and_mul(_expand(gate_up_scratch, gate_up_lora))
+
+    def expand_then_rotary():
+        _expand(qkv_scratch, qkv_lora)
+        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+
+    def rotary(config: LoRATileConfig):
+        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots, qkv_lora,
+                                         tile_config=config)
 
     def norm(config: LoRATileConfig):
         return fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, tile_config=config)
@@ -282,11 +298,25 @@ def _tile_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
     def check_silu(config: LoRATileConfig) -> float:
         return _rel(silu(config), fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
 
+    def check_rotary(config: LoRATileConfig) -> float:
+        results = []
+        for fold in (True, False):
+            buffer, caches = qkv.clone(), inp.caches()
+            if not fold:
+                _expand(buffer, qkv_lora)
+            fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
+                                             qkv_lora if fold else None, tile_config=config)
+            results.append((buffer, *caches))
+        return max(_rel(a, b) for a, b in zip(*results))
+
     cases = {}
     for name, config in _tile_variants("add_rms_norm", adapters):
         cases[name] = Case(EXPAND_THEN_OP, expand_then_norm, lambda c=config: norm(c), lambda c=config: check_norm(c))
     for name, config in _tile_variants("silu_and_mul", adapters):
         cases[name] = Case(EXPAND_THEN_OP, expand_then_silu, lambda c=config: silu(c), lambda c=config: check_silu(c))
+    for name, config in _tile_variants("rotary_and_write_kv", adapters):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_rotary, lambda c=config: rotary(c),
+                           lambda c=config: check_rotary(c))
     return cases
 
 
