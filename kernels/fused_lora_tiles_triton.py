@@ -26,8 +26,9 @@ MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 @dataclass(frozen=True)
 class LoRATileConfig:
     """Launch shape of a tiled variant: `chunk` columns per program (silu_and_mul), per step of a row walk
-    (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16; larger ranks loop); `rows`: token rows per
-    program, a part of a tile (0: the whole tile), for more programs when there are few tiles."""
+    (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16;
+    larger ranks loop); `rows`: token rows per program, a part of a tile (0: the whole tile), for more programs
+    when there are few tiles; `num_stages`: Triton's software pipelining depth."""
 
     chunk: int
     block_r: int
@@ -77,13 +78,14 @@ def _row_blocks(lora: LoRADelta, config: LoRATileConfig) -> int:
 
 @triton.jit
 def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
-    """Part `part` (ROWS rows) of tile `tile`: its token indices, which are in use, and the tile's slot."""
+    """Part `part` (ROWS rows) of tile `tile`: its token indices, which are in use, the tile's slot, and whether
+    the part has any rows (an unused tile, or the end of a short one, has none)."""
     start = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
     offs = part * ROWS + tl.arange(0, ROWS)
     in_use = offs < length
     rows = tl.load(order_ptr + start + offs, mask=in_use, other=0).to(tl.int64)
-    return rows, in_use, tl.load(tile_slot_ptr + tile)
+    return rows, in_use, tl.load(tile_slot_ptr + tile), part * ROWS < length
 
 
 @triton.jit
@@ -99,8 +101,10 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
                                tile_slot_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up, stride_hn,
                                stride_ht, R: tl.constexpr, ROWS: tl.constexpr,
                                CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    rows, in_use, slot = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
-                                    tl.program_id(2), ROWS)
+    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                              tl.program_id(0), tl.program_id(2), ROWS)
+    if not has_rows:
+        return
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < n
     mask = in_use[:, None] & col_mask[None, :]
@@ -145,8 +149,10 @@ def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
                                BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Two walks over the rows' columns: x + delta (+ residual), each rounded, stored as the residual out while
     the squares add up; then the stored rows reloaded and normalized."""
-    rows, in_use, slot = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
-                                    tl.program_id(1), ROWS)
+    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                              tl.program_id(0), tl.program_id(1), ROWS)
+    if not has_rows:
+        return
     h_rows = h_ptr + rows[:, None] * stride_ht
     b_ptr = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
     squares = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
@@ -235,8 +241,10 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
                          HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, j, part): a chunk of the rows' q heads, of their k heads (and cache rows) or of their v heads
     (and theirs), laid out flat as (head, dim in half) per row."""
-    rows, in_use, slot = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
-                                    tl.program_id(2), ROWS)
+    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                              tl.program_id(0), tl.program_id(2), ROWS)
+    if not has_rows:
+        return
     j = tl.program_id(1)
     e = tl.arange(0, HEADS_PER_PROGRAM * HALF_PAD)
     dims = e % HALF_PAD
