@@ -21,8 +21,10 @@ from kernels import LoRADelta, fused, fused_torch, lora_torch, prepare_lora_meta
 from tests.kernels.lora_cases import (
     NUM_SLOTS,
     exact_delta,
+    expand_reference,
     packed_weights,
     same,
+    slots_tensor,
     triton_runs_in_process,
     within_a_rounding,
 )
@@ -226,6 +228,41 @@ def test_rotary_and_write_kv_rows_without_an_adapter_equal_the_plain_op(impl):
     assert torch.equal(got.qkv[BASE_ROWS], plain.qkv[BASE_ROWS])
     for a, b in [(got.k_cache, plain.k_cache), (got.v_cache, plain.v_cache)]:
         assert torch.equal(a.flatten(0, 1)[base_slots], b.flatten(0, 1)[base_slots])
+
+
+# the torch backend on a step of the segment path
+
+SEGMENT_SLOTS = [t % (NUM_SLOTS + 1) - 1 for t in range(150)]  # more tokens than the per-token path takes
+
+
+def _float64_expanded(y: torch.Tensor, delta: LoRADelta) -> torch.Tensor:
+    return expand_reference(y, delta.h, delta.b_slices, slots_tensor(SEGMENT_SLOTS, DEVICE))
+
+
+def test_the_torch_silu_and_mul_takes_a_delta_on_segment_metadata():
+    gate_up = torch.randn(len(SEGMENT_SLOTS), 2 * INTERMEDIATE, generator=torch.Generator().manual_seed(3))
+    lora = exact_delta(SEGMENT_SLOTS, [INTERMEDIATE] * 2, RANK, torch.float32, seed=4, device=DEVICE, block_m=64)
+    got = fused_torch.silu_and_mul(gate_up.to(DEVICE), lora)
+    same(got, fused_torch.silu_and_mul(_float64_expanded(gate_up.to(DEVICE), lora).float()))
+
+
+def test_the_torch_rotary_and_write_kv_takes_a_delta_on_segment_metadata():
+    shape = (4, 2, 16)
+    got, want = _rotary_case(shape, torch.float32), _rotary_case(shape, torch.float32)
+    tokens = len(SEGMENT_SLOTS)
+    for case in (got, want):  # the tiny case's tensors at the segment step's token count
+        case.qkv = torch.randn(tokens, case.qkv.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        case.positions = torch.arange(tokens, device=DEVICE) % 64
+        case.k_cache = torch.full((tokens // BLOCK_SIZE + 1, BLOCK_SIZE, 2, 16), float("nan"), device=DEVICE)
+        case.v_cache = case.k_cache.clone()
+        slots = torch.randperm(case.k_cache.shape[0] * BLOCK_SIZE, generator=torch.Generator().manual_seed(6))
+        case.slot_mapping = slots[:tokens].to(DEVICE)
+    lora = exact_delta(SEGMENT_SLOTS, [64, 32, 32], RANK, torch.float32, seed=6, device=DEVICE, block_m=64)
+    got.run(fused_torch, lora)
+    want.qkv.copy_(_float64_expanded(want.qkv, lora))
+    want.run(fused_torch, None)
+    for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
+        same(a, b)
 
 
 # the dispatcher
