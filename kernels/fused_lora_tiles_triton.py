@@ -21,6 +21,7 @@ from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_tile, dot_f32, slot_stacks
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
+MIN_COLUMNS = 16  # and its smallest output width
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,8 @@ def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, 
 @triton.jit
 def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
                                tile_slot_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up, stride_hn,
-                               stride_ht, R: tl.constexpr, ROWS: tl.constexpr,
-                               CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+                               stride_ht, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                               BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
                                               tl.program_id(0), tl.program_id(2), ROWS)
     if not has_rows:
@@ -134,7 +135,7 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
     if rows == 0:
         return out
     config = config or LORA_TILE_CONFIGS["silu_and_mul"]
-    chunk = min(config.chunk, max(16, triton.next_power_of_2(n)))
+    chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
     grid = (lora.meta.num_tiles, triton.cdiv(n, chunk), _row_blocks(lora, config))
     _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
                                      CHUNK=chunk, **_launch(lora, config))
@@ -192,7 +193,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     if rows == 0:
         return normed, hidden
     config = config or LORA_TILE_CONFIGS["add_rms_norm"]
-    chunk = min(config.chunk, max(16, triton.next_power_of_2(n)))
+    chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
     _add_rms_norm_tiles_kernel[(lora.meta.num_tiles, _row_blocks(lora, config))](
         x, residual if residual is not None else x, weight, normed, hidden, x.stride(0),
         residual.stride(0) if residual is not None else 0, normed.stride(0), hidden.stride(0), n, eps,
@@ -303,7 +304,7 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
         return
     config = config or LORA_TILE_CONFIGS["rotary_and_write_kv"]
     half_pad = triton.next_power_of_2(dim // 2)
-    heads_per_program = max(config.chunk, 16 // half_pad)  # the dot needs 16 columns at least
+    heads_per_program = max(config.chunk, MIN_COLUMNS // half_pad)
     programs = triton.cdiv(heads, heads_per_program) + 2 * triton.cdiv(kv_heads, heads_per_program)
     _rotary_tiles_kernel[(lora.meta.num_tiles, programs, _row_blocks(lora, config))](
         q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0),
