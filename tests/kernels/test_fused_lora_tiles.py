@@ -317,3 +317,32 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
     for a, b in zip(got.outputs(), want.outputs()):
         same(a, b)
     assert [call.name for call in launches] == kernels * (lora_tuning.choose_path(num_tokens) == "sgmv")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_tiled_ops_replay_with_the_next_steps_slots_and_h():
+    """The tiled kernels read the tiles and h from device tensors: a graph replays with what the next step wrote."""
+    from kernels import fused_triton, prepare_lora_metadata
+
+    slots = PATTERNS["unsorted_mixed"] * 3  # 156 tokens: the segment path
+    x, residual, weight = _norm_inputs(slots, torch.bfloat16, True)
+    gate_up = _gate_up(slots, torch.bfloat16)
+    norm_lora = exact_delta(slots, [WIDTH], 12, torch.bfloat16, seed=2, device=DEVICE)
+    silu_lora = exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE)
+    silu_lora = LoRADelta(silu_lora.h, silu_lora.b_slices, norm_lora.meta)  # one metadata per step
+
+    def step():
+        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, norm_lora),
+                fused_triton.silu_and_mul(gate_up, silu_lora))
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    prepare_lora_metadata(slots_tensor(list(reversed(slots)), DEVICE), NUM_SLOTS, out=norm_lora.meta)
+    for delta in (norm_lora, silu_lora):
+        delta.h.copy_(delta.h.flip(1))
+    graph.replay()
+    for got, want in zip(captured, step()):
+        same(got, want)
