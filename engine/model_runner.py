@@ -41,7 +41,7 @@ class ModelRunner:
         lora = None
         if any(s >= 0 for s in adapter_slots):
             lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots),
-                            fold_expand=lora_tuning.fold_expand())
+                            fold_into=lora_tuning.folded_ops(len(lora_slots)))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def _pack_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],

@@ -46,12 +46,15 @@ class LoRATileConfig:
             raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
 
 
-# Untuned: first guesses for Llama-3-8B shapes at 8192 tokens, pending an H200 run of
-# `benchmarks/fused_ops.py --lora-only --tokens 8192`. Op name -> config.
+# Winners of `benchmarks/fused_ops.py --lora-only --tokens 2048` on an H200 (Llama-3-8B shapes, 64-row tiles, rank
+# 16; triton 3.6), 2026-11-30, us over 8 / 64 adapters against the SGMV expand followed by the op: silu_and_mul
+# 89.1 / 113.1 against 120.9 / 153.3, rotary and KV write 27.4 / 36.5 against 30.2 / 38.2; add_rms_norm at
+# best 56.9 against 36.1 over 64 adapters, slower, so `lora_tuning.FOLDED_OPS` leaves o and down to the expand
+# on this path. Op name -> config.
 LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
-    "silu_and_mul": LoRATileConfig(chunk=128, block_r=16, num_warps=4),
-    "add_rms_norm": LoRATileConfig(chunk=256, block_r=16, num_warps=8, rows=16),
-    "rotary_and_write_kv": LoRATileConfig(chunk=2, block_r=16, num_warps=4),
+    "silu_and_mul": LoRATileConfig(chunk=128, block_r=16, num_warps=4, rows=16),
+    "add_rms_norm": LoRATileConfig(chunk=512, block_r=16, num_warps=8, rows=32),
+    "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=16, num_warps=4, rows=16),
 }
 
 
