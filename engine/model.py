@@ -165,7 +165,8 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"], "silu_and_mul")
+        self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"],
+                                       "silu_and_mul")
         self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"], "add_rms_norm")
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
