@@ -8,12 +8,15 @@ log-probability over the 128k vocabulary, at decode batch sizes) is timed agains
 on float32 logits that the engine ran before.
 
 The `+lora` rows time each op with the LoRA expand of the projection it consumes folded in
-(`lora=`), against the expand launch (`lora_expand_slices`, per token up to 128 tokens) followed by
-the plain op, at 64 adapters of rank 16 with every token on a random one; one row per launch shape
-(`LoRAOpConfig`: columns or heads per step, rank block, warps), the kernel's default marked `*`. The
-check is the relative difference from expand-then-op (zero up to summation order).
+(`lora=`), against the expand launch (`lora_expand_slices`) followed by the plain op, with every
+token on a random adapter of rank 16. Up to 128 tokens (the per-token path) at 64 adapters, one row
+per launch shape (`LoRAOpConfig`: columns or heads per step, rank block, warps); from 129 tokens
+(the segment path, where the expand is SGMV) the tiled variants (`fused_lora_tiles_triton`) at 8
+and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step or heads per program,
+rank block, warps, rows per program, `mtile` for the whole tile). The kernel's default is marked `*`. The check is the
+relative difference from expand-then-op (zero up to summation order).
 
-    python benchmarks/fused_ops.py [--tokens 64 128] [--lora-only] [--ops silu_and_mul ...] [--out DIR]
+    python benchmarks/fused_ops.py [--tokens 64 128 8192] [--lora-only] [--ops silu_and_mul ...] [--out DIR]
     python benchmarks/fused_ops.py --smoke     # tiny shapes; on a CPU under the Triton interpreter
 """
 from __future__ import annotations
@@ -42,8 +45,10 @@ from kernels import (  # noqa: E402
     greedy,
     greedy_triton,
     lora_expand_slices,
+    lora_tuning,
     prepare_lora_metadata,
 )
+from kernels.fused_lora_tiles_triton import LORA_TILE_CONFIGS, LoRATileConfig  # noqa: E402
 from kernels.fused_triton import LORA_CONFIGS, LoRAOpConfig  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -53,6 +58,7 @@ TORCH_CHAIN = "torch"
 FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
 EXPAND_THEN_OP = "expand + op"
 ADAPTERS, RANK = 64, 16
+SEGMENT_ADAPTERS = (8, 64)  # adapter counts of the tiled variants' rows
 OPS = ["add_rms_norm", "silu_and_mul", "rotary_and_write_kv", "greedy"]
 
 
@@ -80,6 +86,20 @@ LORA_VARIANTS: dict[str, list[LoRAOpConfig]] = {
                       (512, 1, 8), (512, 2, 8), (512, 4, 8), (1024, 1, 8)]],
     "rotary_and_write_kv": [LoRAOpConfig(heads, 16, warps) for heads, warps in
                             [(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4), (4, 8), (8, 4), (8, 8)]],
+}
+# Launch shapes of the tiled variants (segment path; the defaults in LORA_TILE_CONFIGS are added): (columns, warps,
+# rows per program; 0 = the whole tile, 64 rows at 8192 tokens).
+LORA_TILE_VARIANTS: dict[str, list[LoRATileConfig]] = {
+    "add_rms_norm": [LoRATileConfig(chunk, 16, warps, rows) for chunk, warps, rows in
+                     [(128, 4, 16), (256, 4, 16), (256, 8, 16), (512, 8, 16), (256, 8, 32), (512, 8, 32),
+                      (256, 8, 0), (512, 16, 0)]],
+    "silu_and_mul": [LoRATileConfig(chunk, 16, warps, rows) for chunk, warps, rows in
+                     [(64, 4, 0), (128, 4, 0), (128, 8, 0), (256, 8, 0), (64, 4, 32), (128, 4, 32), (256, 8, 32),
+                      (128, 4, 16), (256, 4, 16)]],
+    # heads per program, warps, rows per program
+    "rotary_and_write_kv": [LoRATileConfig(heads, 16, warps, rows) for heads, warps, rows in
+                            [(1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0), (1, 4, 16), (2, 4, 16), (4, 4, 16),
+                             (2, 4, 32), (4, 8, 32)]],
 }
 
 
@@ -146,15 +166,15 @@ class Inputs:
         return tuple(torch.zeros(self.num_blocks, BLOCK_SIZE, s.kv_heads, s.head_dim, device=self.x.device,
                                  dtype=DTYPE) for _ in range(2))
 
-    def lora(self, widths: list[int], seed: int) -> LoRADelta:
-        """Every token on a random one of ADAPTERS adapters of rank RANK, h as the shrink leaves it."""
+    def lora(self, widths: list[int], seed: int, adapters: int = ADAPTERS) -> LoRADelta:
+        """Every token on a random one of `adapters` adapters of rank RANK, h as the shrink leaves it."""
         device = self.x.device
         gen = torch.Generator(device=device).manual_seed(seed)
-        adapters = torch.randint(0, ADAPTERS, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
+        slots = torch.randint(0, adapters, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
         h = torch.randn(len(widths), self.tokens, RANK, device=device, generator=gen)
-        b_slices = tuple(torch.randn(ADAPTERS, w, RANK, device=device, generator=gen).div(RANK).to(DTYPE)
+        b_slices = tuple(torch.randn(adapters, w, RANK, device=device, generator=gen).div(RANK).to(DTYPE)
                          for w in widths)
-        return LoRADelta(h, b_slices, prepare_lora_metadata(adapters, ADAPTERS))
+        return LoRADelta(h, b_slices, prepare_lora_metadata(slots, adapters))
 
 
 def _cases(inp: Inputs) -> dict[str, Case]:
@@ -222,8 +242,86 @@ def _variants(op: str) -> list[tuple[str, LoRAOpConfig]]:
              c) for c in configs]
 
 
+def _tile_variants(op: str, adapters: int) -> list[tuple[str, LoRATileConfig]]:
+    default = LORA_TILE_CONFIGS[op]
+    configs = [default] + [c for c in LORA_TILE_VARIANTS[op] if c != default]
+    return [(f"{op}+lora a{adapters} tile c{c.chunk} r{c.block_r} w{c.num_warps} m{c.rows or 'tile'}"
+             f"{'*' if c == default else ''}", c) for c in configs]
+
+
 def _lora_cases(inp: Inputs) -> dict[str, Case]:
-    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op."""
+    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op: the
+    per-token variants on the per-token path, the tiled ones on the segment path."""
+    if lora_tuning.choose_path(inp.tokens) == "sgmv":
+        cases = {}
+        for adapters in SEGMENT_ADAPTERS:
+            cases.update(_tile_cases(inp, adapters))
+        return cases
+    return _per_token_cases(inp)
+
+
+def _tile_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
+    """'op+lora a<adapters> tile <launch shape>' -> the tiled variant against the SGMV expand, then the op."""
+    x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
+    cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
+    hidden_lora = inp.lora([inp.shapes.hidden], seed=1, adapters=adapters)
+    gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2, adapters=adapters)
+    qkv_lora = inp.lora(inp.qkv_widths, seed=3, adapters=adapters)
+    x_scratch, gate_up_scratch, qkv_scratch = x.clone(), gate_up.clone(), qkv.clone()
+    q, k, v = inp.qkv_views(qkv_scratch)
+    k_cache, v_cache = inp.caches()
+
+    def expand_then_norm():
+        return fused_triton.add_rms_norm(_expand(x_scratch, hidden_lora), residual, weight, 1e-5)
+
+    def expand_then_silu():
+        return fused_triton.silu_and_mul(_expand(gate_up_scratch, gate_up_lora))
+
+    def expand_then_rotary():
+        _expand(qkv_scratch, qkv_lora)
+        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+
+    def rotary(config: LoRATileConfig):
+        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots, qkv_lora,
+                                         tile_config=config)
+
+    def norm(config: LoRATileConfig):
+        return fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, tile_config=config)
+
+    def silu(config: LoRATileConfig):
+        return fused_triton.silu_and_mul(gate_up, gate_up_lora, tile_config=config)
+
+    def check_norm(config: LoRATileConfig) -> float:
+        want = fused_triton.add_rms_norm(_expand(x.clone(), hidden_lora), residual, weight, 1e-5)
+        return max(_rel(a, b) for a, b in zip(norm(config), want))
+
+    def check_silu(config: LoRATileConfig) -> float:
+        return _rel(silu(config), fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
+
+    def check_rotary(config: LoRATileConfig) -> float:
+        results = []
+        for fold in (True, False):
+            buffer, caches = qkv.clone(), inp.caches()
+            if not fold:
+                _expand(buffer, qkv_lora)
+            fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
+                                             qkv_lora if fold else None, tile_config=config)
+            results.append((buffer, *caches))
+        return max(_rel(a, b) for a, b in zip(*results))
+
+    cases = {}
+    for name, config in _tile_variants("add_rms_norm", adapters):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_norm, lambda c=config: norm(c), lambda c=config: check_norm(c))
+    for name, config in _tile_variants("silu_and_mul", adapters):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_silu, lambda c=config: silu(c), lambda c=config: check_silu(c))
+    for name, config in _tile_variants("rotary_and_write_kv", adapters):
+        cases[name] = Case(EXPAND_THEN_OP, expand_then_rotary, lambda c=config: rotary(c),
+                           lambda c=config: check_rotary(c))
+    return cases
+
+
+def _per_token_cases(inp: Inputs) -> dict[str, Case]:
+    """'op+lora <launch shape>' -> the per-token variant against the per-token expand, then the op."""
     x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
     cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
     hidden_lora = inp.lora([inp.shapes.hidden], seed=1)
@@ -292,9 +390,9 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = SMOKE if args.smoke else LLAMA3_8B
     if args.smoke:
-        args.tokens = [3]
+        args.tokens = [3, lora_tuning.SGMV_MIN_TOKENS]  # the per-token path and the segment path
     rows = []
-    print(f"{'op':<44}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
+    print(f"{'op':<52}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
     for tokens in args.tokens:
         inp = Inputs.random(shapes, tokens, device)
         cases = {} if args.lora_only else _cases(inp)
@@ -309,7 +407,7 @@ def main() -> None:
             triton_us = graph_time_us(case.run_triton, device, rep_ms=50, cpu_calls=2)
             rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=before, triton_us=triton_us,
                              rel_err=err))
-            print(f"{name:<44}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"
+            print(f"{name:<52}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"
                   f"{err:>10.1e}  {case.baseline}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

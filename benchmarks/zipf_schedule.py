@@ -100,7 +100,7 @@ class _OneLinear(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.o_proj = LoRALinear(1, [1], bias=False, names=["o_proj"])
+        self.o_proj = LoRALinear(1, [1], bias=False, names=["o_proj"], consumer="add_rms_norm")
 
     def lora_layers(self) -> dict[str, LoRALinear]:
         return {"model.layers.0.self_attn.o_proj": self.o_proj}

@@ -7,8 +7,8 @@ Padding rows write their KV to a scratch block nobody reads and use no adapter. 
 each bucket is captured twice, with the LoRA work and without it, and a step in which no row uses an
 adapter replays the second (vLLM's `cudagraph_specialize_lora`): base-model traffic on a LoRA server
 does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink
-beside its base matmul and leave each expand to the fused op after it (`LoRAStep`;
-`lora_tuning.fold_expand` can turn that off); buckets of CUBLASLT_TOKENS are captured with cuBLASLt
+beside its base matmul; each expand is left to the fused op after it where `lora_tuning.folded_ops` says
+(`LORASERVE_LORA_FOLD=0` turns that off); buckets of CUBLASLT_TOKENS are captured with cuBLASLt
 preferred.
 """
 from __future__ import annotations
@@ -135,7 +135,7 @@ class DecodeGraphs:
             # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV) 10.93 against 10.79
             per_token = lora_tuning.choose_path(size) == "bgmv"
             lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if per_token else None,
-                            fold_expand=per_token and lora_tuning.fold_expand())
+                            fold_into=lora_tuning.folded_ops(size))
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:

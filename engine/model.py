@@ -2,7 +2,7 @@
 
 Every projection is a `LoRALinear`, so the multi-LoRA path adds a per-token adapter delta to
 q, k, v, o, gate, up and down without the model knowing which adapters exist. When a step folds
-the expands (`LoRAStep.fold_expand`), a projection returns its delta (`kernels.LoRADelta`) instead
+the expands (`LoRAStep.fold_into`), a projection returns its delta (`kernels.LoRADelta`) instead
 of adding it, and the fused op that consumes the output adds it: qkv's in the rotary + KV write,
 gate/up's in SiLU·up, o's and down's in the next RMSNorm.
 
@@ -34,11 +34,12 @@ class LoRALinear(nn.Module):
     slot tensors `[S, R, K]` / `[S, N_i, R]` the LoRA manager attaches.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, names: list[str]):
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, names: list[str], consumer: str):
         super().__init__()
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
         self.names = list(names)
+        self.consumer = consumer  # the fused op that reads the output, which may take the delta instead
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
         self.lora_a: list[torch.Tensor] | None = None
@@ -47,7 +48,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAStep | None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """(y, None) with the adapters' deltas added; or, when the step folds expands into the next op
-        (`lora.fold_expand`), the base product and the delta that op adds. out: where y goes (a buffer
+        (the step folds into `self.consumer`), the base product and the delta that op adds. out: where y goes (a buffer
         that outlives a CUDA-graph piece), else a new tensor."""
         if lora is None or self.lora_a is None:
             return self._base(x, out), None
@@ -61,7 +62,7 @@ class LoRALinear(nn.Module):
                 h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
             y = self._base(x, out)
             main.wait_stream(lora.side_stream)
-        if lora.fold_expand:
+        if self.consumer in lora.fold_into:
             return y, kernels.LoRADelta(h, tuple(self.lora_b), lora.meta)
         kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y, None
@@ -118,8 +119,9 @@ class Attention(nn.Module):
         self.scale = self.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(config, "attention_bias", False)) or config.model_type == "qwen2"
-        self.qkv_proj = LoRALinear(config.hidden_size, [q_size, kv_size, kv_size], bias, ["q_proj", "k_proj", "v_proj"])
-        self.o_proj = LoRALinear(q_size, [config.hidden_size], False, ["o_proj"])
+        self.qkv_proj = LoRALinear(config.hidden_size, [q_size, kv_size, kv_size], bias, ["q_proj", "k_proj", "v_proj"],
+                                  "rotary_and_write_kv")
+        self.o_proj = LoRALinear(q_size, [config.hidden_size], False, ["o_proj"], "add_rms_norm")
         self.rotary = rotary
         self.split = [q_size, kv_size, kv_size]
 
@@ -163,8 +165,9 @@ class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"])
-        self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"])
+        self.gate_up_proj = LoRALinear(config.hidden_size, [inter, inter], False, ["gate_proj", "up_proj"],
+                                       "silu_and_mul")
+        self.down_proj = LoRALinear(inter, [config.hidden_size], False, ["down_proj"], "add_rms_norm")
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """down_proj's output and the LoRA delta still to add to it (see `LoRALinear.forward`)."""

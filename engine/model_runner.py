@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels
+from kernels import lora_tuning
 from kernels.attention import prefill_uses_triton
 
 from .model import LlamaForCausalLM
@@ -39,7 +40,8 @@ class ModelRunner:
         ids, pos, _, lora_slots = rows
         lora = None
         if any(s >= 0 for s in adapter_slots):
-            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots))
+            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots),
+                            fold_into=lora_tuning.folded_ops(len(lora_slots)))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def _pack_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],

@@ -23,6 +23,7 @@ from contextlib import nullcontext
 import torch
 
 import kernels
+from kernels import lora_tuning
 
 from .model import AttentionInputs, LlamaForCausalLM
 from .step_input import AttentionMetadata, LoRAStep, StepInput
@@ -70,7 +71,7 @@ class PiecewiseGraphs:
         lora = None
         if self.num_lora_slots:
             self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
-            lora = LoRAStep(self.lora_meta[size])
+            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(size))
         # the pieces read only the KV slots; attention, which reads the rest, runs outside them
         attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),
                                       context_lens=slots.new_empty(0), query_lens=[], context_lens_list=[],

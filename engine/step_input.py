@@ -33,13 +33,13 @@ class LoRAStep:
     """The adapters' part of a step. side_stream, only in CUDA-graph decode buckets on the per-token (BGMV)
     path: the stream each LoRA shrink runs on while its base matmul runs on the main one (the shrinks are
     latency-bound and the skinny decode matmuls leave SMs idle); the expand waits for both. Eager steps
-    leave it None. fold_expand: each projection's expand is left to the fused op that consumes its output
-    (rotary + KV write, SiLU·up, the next RMSNorm), which adds the delta as it reads the row: one launch a
-    projection fewer."""
+    leave it None. fold_into: the fused ops (`lora_tuning.folded_ops`: "rotary_and_write_kv", "silu_and_mul",
+    "add_rms_norm") that take the expand of the projection whose output they read, adding the delta as they
+    read each row: one launch a projection fewer, and the projection's output is not read and written back."""
 
     meta: LoRAMetadata  # the tokens grouped by adapter slot
     side_stream: torch.cuda.Stream | None = None
-    fold_expand: bool = False
+    fold_into: frozenset[str] = frozenset()
 
 
 @dataclass

@@ -7,7 +7,9 @@ With a `LoRADelta` each op also applies the LoRA expand of the projection it con
 program reads the h row and the B[slot] rows of the columns it produces and adds the delta, rounded
 once, before the op's own math (tokens of slot -1 read no B). The B tiles are [columns, rank block],
 so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a delta (`HAS_LORA`
-false) each kernel compiles to the code it had before.
+false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps the LoRA
+kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
+`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens.
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import fused_lora_tiles_triton as tiles
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_rows, slot_stacks
+from kernels.lora_tuning import choose_path
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -62,6 +66,12 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
     b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
     return (h, *b_slices, lora.meta.slots, lora.rank, *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
+
+
+def _tiled(lora: LoRADelta) -> bool:
+    """Whether a delta goes to the tiled variants: steps the LoRA kernels run in segments (`choose_path`), where
+    reading B once per token would cost more than the fold saves."""
+    return choose_path(lora.meta.num_tokens) == "sgmv"
 
 
 def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
@@ -178,11 +188,14 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, 
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 lora: LoRADelta | None = None, *,
-                 config: LoRAOpConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None,
+                 tile_config: tiles.LoRATileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One program per row; with `lora` a row wider than `config.chunk` goes in chunks of that many columns, in
-    two passes (x stays as it is)."""
+    two passes (x stays as it is). With `lora` on a step of the segment path, the tiled variant in its launch
+    shape `tile_config`."""
     rows, n = x.shape
+    if lora is not None and _tiled(lora):
+        return tiles.add_rms_norm(x, residual, weight, eps, lora, config=tile_config)
     out = torch.empty_like(x)
     hidden = x if residual is None and lora is None else torch.empty_like(x)
     if lora is None:
@@ -226,11 +239,14 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
                  mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *,
-                 config: LoRAOpConfig | None = None) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None,
+                 tile_config: tiles.LoRATileConfig | None = None) -> torch.Tensor:
     """A grid of (row, column block); with `lora` a block is `config.chunks_per_program` chunks of
-    `config.chunk` columns (gate_up stays as it is)."""
+    `config.chunk` columns (gate_up stays as it is). With `lora` on a step of the segment path, the tiled
+    variant (`fused_lora_tiles_triton`) in its launch shape `tile_config`."""
     rows, width = gate_up.shape
+    if lora is not None and _tiled(lora):
+        return tiles.silu_and_mul(gate_up, lora, config=tile_config)
     n = width // 2
     out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if lora is None:
@@ -374,10 +390,10 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, lora: LoRADelta | None = None, *,
-                        config: LoRAOpConfig | None = None) -> None:
+                        config: LoRAOpConfig | None = None, tile_config: tiles.LoRATileConfig | None = None) -> None:
     """One launch: without `lora` one program per token rotates its q and k heads in place and stores its
     rotated k and its v; with `lora` a grid of (token, chunk of `config.chunk` q, k or v heads) also adds
-    the deltas (v's in place too).
+    the deltas (v's in place too), or on a step of the segment path the tiled variant in `tile_config`.
 
     q, k, v may be strided views (only the last dim must be dense); the caches are contiguous and
     of one shape [blocks, block_size, kv_heads, D], so a flat slot is block * block_size + offset.
@@ -385,6 +401,10 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     tokens, heads, dim = q.shape
     kv_heads = k.shape[1]
     if tokens == 0:
+        return
+    if lora is not None and _tiled(lora):
+        tiles.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slot_mapping, lora,
+                                  config=tile_config)
         return
     if lora is None:
         grid, heads_per_program, num_warps = (tokens,), 1, 4

@@ -182,6 +182,29 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+               DOT_F32: tl.constexpr):
+    """float32 [BLOCK_M, len(cols)] h[rows] @ B[cols]^T for a tile of one slot's tokens: `h_rows` points at the
+    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values) is read once for the whole tile. The segment
+    expand's sum, which the fused ops' tiled variants also add as they read a projection's output
+    (`fused_lora_tiles_triton`)."""
+    acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
+    for r0 in range(0, R, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        r_mask = offs_r < R
+        hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
+        bv = tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        if bv.dtype == tl.float32:
+            acc = _dot_acc(acc, hv, bv, DOT_F32)
+        else:
+            # h is float32: split it into two 16-bit halves so the tensor-core dot keeps ~16 bits of it.
+            hi = hv.to(bv.dtype)
+            acc = _dot_acc(acc, hi, bv, DOT_F32)
+            acc = _dot_acc(acc, (hv - hi.to(tl.float32)).to(bv.dtype), bv, DOT_F32)
+    return acc
+
+
+@triton.jit
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
@@ -230,23 +253,11 @@ def _expand_sgmv_kernel(
         n_mask = offs_n < width
         y_mask = m_mask[:, None] & n_mask[None, :]
         yv = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            offs_r = r0 + tl.arange(0, BLOCK_R)
-            r_mask = offs_r < R
-            hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-            bv = tl.load(b_ptr + offs_n[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-            if bv.dtype == tl.float32:
-                acc = _dot_acc(acc, hv, bv, DOT_F32)
-            else:
-                # h is float32: split it into two 16-bit halves so the tensor-core dot keeps ~16 bits of it.
-                hi = hv.to(bv.dtype)
-                acc = _dot_acc(acc, hi, bv, DOT_F32)
-                acc = _dot_acc(acc, (hv - hi.to(tl.float32)).to(bv.dtype), bv, DOT_F32)
+        acc = delta_tile(h_rows, m_mask, b_ptr, offs_n, n_mask, R, BLOCK_M, BLOCK_R, DOT_F32)
         tl.store(y_rows + offs_n[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
 
 
-def _dot_f32(dtype: torch.dtype) -> bool:
+def dot_f32(dtype: torch.dtype) -> bool:
     """Interpreted (TRITON_INTERPRET=1), dots of bfloat16 go through float32."""
     return dtype == torch.float32 or (INTERPRETED and dtype == torch.bfloat16)
 
@@ -327,7 +338,7 @@ def shrink_slices(
         _shrink_sgmv_kernel[grid](
             x, a0, a1, a2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, out, *common,
             NUM_SLICES=n, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
-            EVEN_K=even_k, DOT_F32=_dot_f32(x.dtype), **launch,
+            EVEN_K=even_k, DOT_F32=dot_f32(x.dtype), **launch,
         )
     return out
 
@@ -369,5 +380,5 @@ def expand_slices(
         _expand_sgmv_kernel[(meta.num_tiles, sum(blocks))](
             h, b0, b1, b2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, y, *common,
             BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
-            DOT_F32=_dot_f32(y.dtype), **launch,
+            DOT_F32=dot_f32(y.dtype), **launch,
         )

@@ -5,7 +5,7 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`) and whether decode graphs fold each expand into the fused op after it (`fold_expand`).
+(`choose_path`) and which expands steps fold into the fused op after them (`folded_ops`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ SGMV_MIN_TOKENS = 129
 # SGMV tiles are 16 rows for metadata made for fewer than this many tokens, SGMV_BLOCK_M rows otherwise.
 SGMV_LARGE_TOKENS = 512
 SGMV_BLOCK_M = 64
-# In CUDA-graph decode buckets on the per-token path, leave each expand to the fused op that consumes the
-# projection (`LoRAStep.fold_expand`). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
+# Leave expands to the fused ops that consume the projections (`LoRAStep.fold_into`, `folded_ops`), in decode
+# graphs, eager steps and piecewise mixed steps alike (on the segment path the ops' tiled variants add the
+# deltas). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
 FOLD_EXPAND = True
 FOLD_EXPAND_ENV = "LORASERVE_LORA_FOLD"
 
@@ -81,8 +82,24 @@ def choose_path(num_tokens: int) -> str:
 
 
 def fold_expand() -> bool:
-    """Whether BGMV decode graphs fold the expands: FOLD_EXPAND unless LORASERVE_LORA_FOLD says otherwise."""
+    """Whether steps fold the expands into the fused ops: FOLD_EXPAND unless LORASERVE_LORA_FOLD says otherwise."""
     return env_switch(FOLD_EXPAND_ENV, "1", "0", FOLD_EXPAND)
+
+
+# The fused ops that take their projection's delta, per path. On the segment path the tiled RMSNorm walks each
+# row twice and loses to the SGMV expand followed by the plain op (H200, 2048 tokens over 64 adapters at rank 16:
+# 56.9 against 36.1 us at its best launch shape), so o and down expand there; SiLU·up and the rotary take theirs
+# (113.1 against 153.3 us and 36.5 against 38.2).
+FOLDED_OPS = {
+    "bgmv": frozenset({"rotary_and_write_kv", "silu_and_mul", "add_rms_norm"}),
+    "sgmv": frozenset({"rotary_and_write_kv", "silu_and_mul"}),
+}
+
+
+def folded_ops(num_tokens: int) -> frozenset[str]:
+    """The fused ops that add the LoRA delta of the projection they read, in a step of `num_tokens` tokens
+    (none when the fold is switched off)."""
+    return FOLDED_OPS[choose_path(num_tokens)] if fold_expand() else frozenset()
 
 
 def sgmv_block_m(max_tokens: int) -> int:

@@ -28,9 +28,9 @@ class RowParallelLoRALinear(LoRALinear):
     delta is added once, after the base product is reduced.
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, names: list[str],
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, names: list[str], consumer: str,
                  group: TensorParallelGroup):
-        super().__init__(in_features, out_sizes, bias, names)
+        super().__init__(in_features, out_sizes, bias, names, consumer)
         self.group = group
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, None]:
@@ -88,7 +88,8 @@ class ShardedLlamaForCausalLM(LlamaForCausalLM):
 
 
 def _row_parallel(linear: LoRALinear, group: TensorParallelGroup) -> RowParallelLoRALinear:
-    return RowParallelLoRALinear(linear.in_features, linear.out_sizes, linear.bias is not None, linear.names, group)
+    return RowParallelLoRALinear(linear.in_features, linear.out_sizes, linear.bias is not None, linear.names,
+                                 linear.consumer, group)
 
 
 def build_shard(model_cls: type[ShardedLlamaForCausalLM], hf_config, model_dir: Path, *, load_format: str,

@@ -107,8 +107,10 @@ def decode_step(message: Step, device: torch.device) -> StepInput:
     lora = None
     if message.lora_slots is not None:
         import kernels
+        from kernels import lora_tuning
 
-        lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots))
+        lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots),
+                        fold_into=lora_tuning.folded_ops(len(message.lora_slots)))
     prefill = None
     if message.prefill is not None:
         from kernels.prefill_attention_triton import PrefillPlan

@@ -1,7 +1,6 @@
 """Mixed-adapter batches against transformers + peft, and adapter residency (slots, host cache)."""
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -9,7 +8,7 @@ import torch
 import transformers
 
 from engine import LLM, LoRARequest, SamplingParams
-from engine.step_input import LoRAStep
+from kernels import lora_tuning
 from tests.engine.conftest import run_to_completion
 from tests.tiny_models import make_peft_adapter
 
@@ -79,7 +78,9 @@ def _check_against_reference(outputs, loras, reference):
 PARAMS = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0)
 
 
-def test_mixed_adapter_batch_matches_peft_token_for_token(tiny_llama, adapters, reference):
+def test_mixed_adapter_batch_matches_peft_token_for_token(tiny_llama, adapters, reference, monkeypatch):
+    """Each projection's delta added by its expand."""
+    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "0")
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16)
     prompts, loras = _mixed_batch(adapters)
     outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)
@@ -87,9 +88,9 @@ def test_mixed_adapter_batch_matches_peft_token_for_token(tiny_llama, adapters, 
 
 
 def test_expands_folded_into_the_fused_ops_match_peft_token_for_token(tiny_llama, adapters, reference, monkeypatch):
-    """What CUDA-graph decode steps do (each projection's delta added by the op that consumes it), here on every
-    step: the rotary + KV write, SiLU·up and the next RMSNorm add what the expands would have."""
-    monkeypatch.setattr("engine.model_runner.LoRAStep", functools.partial(LoRAStep, fold_expand=True))
+    """Each projection's delta added by the op that consumes it: the rotary + KV write, SiLU·up and the next
+    RMSNorm add what the expands would have."""
+    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "1")
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=4, max_lora_rank=16)
     prompts, loras = _mixed_batch(adapters)
     outputs = llm.generate(prompts, PARAMS, lora_request=loras, use_tqdm=False)

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from kernels import prepare_lora_metadata
+from kernels import LoRADelta, LoRAMetadata, prepare_lora_metadata
 
 NUM_SLOTS = 5
 
@@ -74,6 +74,30 @@ def packed_weights(
         views.append(view)
         offset += size
     return views
+
+
+def exact_delta(slots: Sequence[int], widths: Sequence[int], rank: int, dtype: torch.dtype, seed: int,
+                device: str = "cpu", *, block_m: int | None = None) -> LoRADelta:
+    """A `LoRADelta` whose float32 sums are exact in any order: h (zero on base rows, as the shrink leaves them)
+    holds multiples of 1/8, B (stacks packed in one buffer) multiples of 1/16. block_m: the metadata's tile height
+    (the default follows the token count)."""
+    gen = torch.Generator().manual_seed(seed)
+    slot_tensor = slots_tensor(slots, device)
+    h = torch.randint(-8, 9, (len(widths), len(slots), rank), generator=gen).div(8).to(device)
+    h[:, slot_tensor < 0] = 0.0
+    b_slices = packed_weights([(w, rank) for w in widths], dtype, device)
+    for b in b_slices:
+        b.copy_(torch.randint(-8, 9, b.shape, generator=gen).div(16))
+    meta = None if block_m is None else LoRAMetadata.empty(len(slots), NUM_SLOTS, device, block_m=block_m)
+    return LoRADelta(h, tuple(b_slices), prepare_lora_metadata(slot_tensor, NUM_SLOTS, out=meta))
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+def within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
+    torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=1e-6)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

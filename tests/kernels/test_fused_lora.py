@@ -18,7 +18,16 @@ import pytest
 import torch
 
 from kernels import LoRADelta, fused, fused_torch, lora_torch, prepare_lora_metadata
-from tests.kernels.lora_cases import NUM_SLOTS, packed_weights, triton_runs_in_process
+from tests.kernels.lora_cases import (
+    NUM_SLOTS,
+    exact_delta,
+    expand_reference,
+    packed_weights,
+    same,
+    slots_tensor,
+    triton_runs_in_process,
+    within_a_rounding,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SLOTS = [3, -1, 0, 3, 1, -1, 4]  # several adapters, one used twice, base-model rows between
@@ -66,23 +75,8 @@ def impl(request) -> Impl:
     return request.param
 
 
-def _same(got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-
-
-def _within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
-    torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=1e-6)
-
-
 def _delta(widths: list[int], dtype: torch.dtype, seed: int) -> LoRADelta:
-    gen = torch.Generator().manual_seed(seed)
-    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEVICE)
-    h = torch.randint(-8, 9, (len(widths), len(SLOTS), RANK), generator=gen).div(8).to(DEVICE)
-    h[:, BASE_ROWS] = 0.0  # as the shrink leaves base rows
-    b_slices = packed_weights([(w, RANK) for w in widths], dtype, DEVICE)
-    for b in b_slices:
-        b.copy_(torch.randint(-8, 9, b.shape, generator=gen).div(16))
-    return LoRADelta(h, tuple(b_slices), prepare_lora_metadata(slots, NUM_SLOTS))
+    return exact_delta(SLOTS, widths, RANK, dtype, seed, DEVICE)
 
 
 # add_rms_norm
@@ -104,8 +98,8 @@ def test_add_rms_norm_with_lora_equals_expand_then_norm(impl, dtype, with_residu
     x, residual, weight, lora = _norm_inputs(dtype, with_residual)
     out, hidden = impl.ops.add_rms_norm(x, residual, weight, EPS, lora, **impl.config("small"))
     want_out, want_hidden = impl.ops.add_rms_norm(impl.expanded(x, lora), residual, weight, EPS)
-    _same(hidden, want_hidden)
-    _within_a_rounding(out, want_out)
+    same(hidden, want_hidden)
+    within_a_rounding(out, want_out)
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
@@ -123,8 +117,8 @@ def test_add_rms_norm_rows_without_an_adapter_match_the_plain_norm(impl, with_re
     x, residual, weight, lora = _norm_inputs(torch.float32, with_residual)
     out, hidden = impl.ops.add_rms_norm(x, residual, weight, EPS, lora, **impl.config("small"))
     plain_out, plain_hidden = impl.ops.add_rms_norm(x, residual, weight, EPS)
-    _same(hidden[BASE_ROWS], plain_hidden[BASE_ROWS])
-    _within_a_rounding(out[BASE_ROWS], plain_out[BASE_ROWS])
+    same(hidden[BASE_ROWS], plain_hidden[BASE_ROWS])
+    within_a_rounding(out[BASE_ROWS], plain_out[BASE_ROWS])
 
 
 # silu_and_mul
@@ -142,7 +136,7 @@ def _silu_inputs(dtype: torch.dtype):
 def test_silu_and_mul_with_lora_equals_expand_then_op(impl, dtype):
     gate_up, lora = _silu_inputs(dtype)
     got = impl.ops.silu_and_mul(gate_up, lora, **impl.config("small"))
-    _same(got, impl.ops.silu_and_mul(impl.expanded(gate_up, lora)))
+    same(got, impl.ops.silu_and_mul(impl.expanded(gate_up, lora)))
 
 
 def test_silu_and_mul_with_lora_leaves_gate_up_unchanged(impl):
@@ -222,7 +216,7 @@ def test_rotary_and_write_kv_with_lora_equals_expand_then_op(impl, shape, dtype)
     want.qkv.copy_(impl.expanded(want.qkv, want.lora))
     want.run(impl.ops, None)
     for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
-        _same(a, b)
+        same(a, b)
 
 
 def test_rotary_and_write_kv_rows_without_an_adapter_equal_the_plain_op(impl):
@@ -234,6 +228,41 @@ def test_rotary_and_write_kv_rows_without_an_adapter_equal_the_plain_op(impl):
     assert torch.equal(got.qkv[BASE_ROWS], plain.qkv[BASE_ROWS])
     for a, b in [(got.k_cache, plain.k_cache), (got.v_cache, plain.v_cache)]:
         assert torch.equal(a.flatten(0, 1)[base_slots], b.flatten(0, 1)[base_slots])
+
+
+# the torch backend on a step of the segment path
+
+SEGMENT_SLOTS = [t % (NUM_SLOTS + 1) - 1 for t in range(150)]  # more tokens than the per-token path takes
+
+
+def _float64_expanded(y: torch.Tensor, delta: LoRADelta) -> torch.Tensor:
+    return expand_reference(y, delta.h, delta.b_slices, slots_tensor(SEGMENT_SLOTS, DEVICE))
+
+
+def test_the_torch_silu_and_mul_takes_a_delta_on_segment_metadata():
+    gate_up = torch.randn(len(SEGMENT_SLOTS), 2 * INTERMEDIATE, generator=torch.Generator().manual_seed(3))
+    lora = exact_delta(SEGMENT_SLOTS, [INTERMEDIATE] * 2, RANK, torch.float32, seed=4, device=DEVICE, block_m=64)
+    got = fused_torch.silu_and_mul(gate_up.to(DEVICE), lora)
+    same(got, fused_torch.silu_and_mul(_float64_expanded(gate_up.to(DEVICE), lora).float()))
+
+
+def test_the_torch_rotary_and_write_kv_takes_a_delta_on_segment_metadata():
+    shape = (4, 2, 16)
+    got, want = _rotary_case(shape, torch.float32), _rotary_case(shape, torch.float32)
+    tokens = len(SEGMENT_SLOTS)
+    for case in (got, want):  # the tiny case's tensors at the segment step's token count
+        case.qkv = torch.randn(tokens, case.qkv.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE)
+        case.positions = torch.arange(tokens, device=DEVICE) % 64
+        case.k_cache = torch.full((tokens // BLOCK_SIZE + 1, BLOCK_SIZE, 2, 16), float("nan"), device=DEVICE)
+        case.v_cache = case.k_cache.clone()
+        slots = torch.randperm(case.k_cache.shape[0] * BLOCK_SIZE, generator=torch.Generator().manual_seed(6))
+        case.slot_mapping = slots[:tokens].to(DEVICE)
+    lora = exact_delta(SEGMENT_SLOTS, [64, 32, 32], RANK, torch.float32, seed=6, device=DEVICE, block_m=64)
+    got.run(fused_torch, lora)
+    want.qkv.copy_(_float64_expanded(want.qkv, lora))
+    want.run(fused_torch, None)
+    for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
+        same(a, b)
 
 
 # the dispatcher
@@ -287,4 +316,4 @@ def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h():
         d.h.copy_(d.h.flip(1))
     graph.replay()
     for got, want in zip(captured, step()):
-        _same(got, want)
+        same(got, want)

@@ -31,6 +31,21 @@ def test_the_fold_switch_reads_the_environment(monkeypatch, value, want):
     assert lora_tuning.fold_expand() is want
 
 
+@pytest.mark.parametrize(("tokens", "want"), [
+    (1, {"rotary_and_write_kv", "silu_and_mul", "add_rms_norm"}),
+    (lora_tuning.SGMV_MIN_TOKENS - 1, {"rotary_and_write_kv", "silu_and_mul", "add_rms_norm"}),
+    (lora_tuning.SGMV_MIN_TOKENS, {"rotary_and_write_kv", "silu_and_mul"}),
+])
+def test_the_segment_path_folds_into_every_fused_op_but_the_norm(monkeypatch, tokens, want):
+    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
+    assert lora_tuning.folded_ops(tokens) == want
+
+
+def test_no_op_folds_when_the_fold_is_off(monkeypatch):
+    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "0")
+    assert lora_tuning.folded_ops(1) == lora_tuning.folded_ops(8192) == frozenset()
+
+
 def test_the_fold_switch_refuses_other_values(monkeypatch):
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "yes")
     with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be '1' or '0'"):

@@ -1,0 +1,317 @@
+"""Segment-tiled ("SGMV") LoRA variants of the fused ops, for prefill-sized steps.
+
+The per-token variants in `fused_triton` read B[slot] once per token: at 8192 tokens that is gigabytes of
+B traffic. Here a program takes one tile of the step's `LoRAMetadata` (up to `block_m` tokens of one slot,
+gathered through `token_order`) and a chunk of columns: it reads its tile's h rows and the slot's B chunk
+once, forms the delta with a tensor-core dot (`lora_triton.delta_tile`, the segment expand's own sum), adds
+it to the loaded rows rounded once to their dtype, as the expand followed by the op would, then does the
+op's math. Tiles of slot -1 (base tokens) run the plain op, so every token row is written exactly once.
+Grids follow the shapes alone (`meta.num_tiles`; unused tiles have no rows), so the launches can be
+captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.lora_delta import LoRADelta
+from kernels.lora_triton import delta_tile, dot_f32, slot_stacks
+
+MIN_BLOCK_R = 16  # the dot's smallest inner dimension
+MIN_COLUMNS = 16  # and its smallest output width
+
+
+@dataclass(frozen=True)
+class LoRATileConfig:
+    """Launch shape of a tiled variant: `chunk` columns per program (silu_and_mul), per step of a row walk
+    (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16;
+    larger ranks loop); `rows`: token rows per program, a part of a tile (0: the whole tile), for more programs
+    when there are few tiles; `num_stages`: Triton's software pipelining depth."""
+
+    chunk: int
+    block_r: int
+    num_warps: int
+    rows: int = 0
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("chunk", "block_r", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        if self.rows and (self.rows < 16 or self.rows & (self.rows - 1)):
+            raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
+
+
+# Winners of `benchmarks/fused_ops.py --lora-only --tokens 2048` on an H200 (Llama-3-8B shapes, 64-row tiles, rank
+# 16; triton 3.6), 2026-11-30, us over 8 / 64 adapters against the SGMV expand followed by the op: silu_and_mul
+# 89.1 / 113.1 against 120.9 / 153.3, rotary and KV write 27.4 / 36.5 against 30.2 / 38.2; add_rms_norm at
+# best 56.9 against 36.1 over 64 adapters, slower, so `lora_tuning.FOLDED_OPS` leaves o and down to the expand
+# on this path. Op name -> config.
+LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
+    "silu_and_mul": LoRATileConfig(chunk=128, block_r=16, num_warps=4, rows=16),
+    "add_rms_norm": LoRATileConfig(chunk=512, block_r=16, num_warps=8, rows=32),
+    "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=16, num_warps=4, rows=16),
+}
+
+
+def _tile_args(lora: LoRADelta) -> tuple:
+    """(h, B_0 .. B_{n-1}, token order, tile slot, start and length, B slot strides .., h strides)."""
+    b_slices = slot_stacks(lora.b_slices)
+    h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
+    meta = lora.meta
+    return (h, *b_slices, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len,
+            *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
+
+
+def _launch(lora: LoRADelta, config: LoRATileConfig) -> dict:
+    """The constexprs and launch options every tiled kernel takes: rows per program, rank, rank block."""
+    block_m = lora.meta.block_m
+    return dict(R=lora.rank, ROWS=min(config.rows or block_m, block_m),
+                BLOCK_R=max(MIN_BLOCK_R, min(config.block_r, triton.next_power_of_2(lora.rank))),
+                DOT_F32=dot_f32(lora.b_slices[0].dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def _row_blocks(lora: LoRADelta, config: LoRATileConfig) -> int:
+    block_m = lora.meta.block_m
+    return block_m // min(config.rows or block_m, block_m)
+
+
+@triton.jit
+def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
+    """Part `part` (ROWS rows) of tile `tile`: its token indices, which are in use, the tile's slot, and whether
+    the part has any rows (an unused tile, or the end of a short one, has none)."""
+    start = tl.load(tile_start_ptr + tile)
+    length = tl.load(tile_len_ptr + tile)
+    offs = part * ROWS + tl.arange(0, ROWS)
+    in_use = offs < length
+    rows = tl.load(order_ptr + start + offs, mask=in_use, other=0).to(tl.int64)
+    return rows, in_use, tl.load(tile_slot_ptr + tile), part * ROWS < length
+
+
+@triton.jit
+def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """y [ROWS, cols] + h[rows] @ B[cols]^T, rounded once to y's dtype."""
+    delta = delta_tile(h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+    return (y.to(tl.float32) + delta).to(y.dtype)
+
+
+@triton.jit
+def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
+                               tile_slot_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up, stride_hn,
+                               stride_ht, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                               BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                              tl.program_id(0), tl.program_id(2), ROWS)
+    if not has_rows:
+        return
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    col_mask = cols < n
+    mask = in_use[:, None] & col_mask[None, :]
+    x_rows = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(x_rows, mask=mask, other=0.0)
+    up = tl.load(x_rows + n, mask=mask, other=0.0)
+    if slot >= 0:
+        h_rows = h_ptr + rows[:, None] * stride_ht
+        gate = _plus_delta_tile(gate, h_rows, in_use, b_gate_ptr + slot.to(tl.int64) * stride_bs_gate, cols,
+                                col_mask, R, ROWS, BLOCK_R, DOT_F32)
+        up = _plus_delta_tile(up, h_rows + stride_hn, in_use, b_up_ptr + slot.to(tl.int64) * stride_bs_up, cols,
+                              col_mask, R, ROWS, BLOCK_R, DOT_F32)
+    g = gate.to(tl.float32)
+    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+             (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate + delta) * (up + delta) for gate_up [T, 2N], into `out` [T, N] when given: a grid of (tile,
+    chunk of `config.chunk` columns, part of the tile); gate_up stays as it is."""
+    rows, width = gate_up.shape
+    n = width // 2
+    if out is None:
+        out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0:
+        return out
+    config = config or LORA_TILE_CONFIGS["silu_and_mul"]
+    chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
+    grid = (lora.meta.num_tiles, triton.cdiv(n, chunk), _row_blocks(lora, config))
+    _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
+                                     CHUNK=chunk, **_launch(lora, config))
+    return out
+
+
+@triton.jit
+def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
+                               stride_res_out, n, eps, h_ptr, b_ptr, order_ptr, tile_slot_ptr, tile_start_ptr,
+                               tile_len_ptr, stride_bs, stride_hn, stride_ht, HAS_RESIDUAL: tl.constexpr,
+                               R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                               BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """Two walks over the rows' columns: x + delta (+ residual), each rounded, stored as the residual out while
+    the squares add up; then the stored rows reloaded and normalized."""
+    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                              tl.program_id(0), tl.program_id(1), ROWS)
+    if not has_rows:
+        return
+    h_rows = h_ptr + rows[:, None] * stride_ht
+    b_ptr = b_ptr + tl.maximum(slot, 0).to(tl.int64) * stride_bs
+    squares = tl.zeros([ROWS, CHUNK], dtype=tl.float32)
+    for c0 in range(0, n, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        col_mask = cols < n
+        mask = in_use[:, None] & col_mask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
+        if slot >= 0:
+            x = _plus_delta_tile(x, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+        if HAS_RESIDUAL:
+            r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], x, mask=mask)
+        h = x.to(tl.float32)
+        squares += h * h
+    rstd = tl.rsqrt(tl.sum(squares, axis=1) / n + eps)[:, None]
+    tl.debug_barrier()  # the second walk reads what other threads of the program stored
+    for c0 in range(0, n, CHUNK):
+        cols = c0 + tl.arange(0, CHUNK)
+        mask = in_use[:, None] & (cols < n)[None, :]
+        x = tl.load(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], mask=mask, other=0.0)
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)[None, :]
+        normed = (x.to(tl.float32) * rstd).to(x.dtype)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
+                 (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lora: LoRADelta,
+                 *, config: LoRATileConfig | None = None,
+                 out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight * rmsnorm(x + delta + residual), x + delta + residual) for x [T, N], into `out` (normed, residual
+    out) when given: a grid of (tile, part of the tile), each program walking its rows in chunks of
+    `config.chunk` columns; x stays as it is."""
+    rows, n = x.shape
+    normed, hidden = out if out is not None else (torch.empty_like(x), torch.empty_like(x))
+    if rows == 0:
+        return normed, hidden
+    config = config or LORA_TILE_CONFIGS["add_rms_norm"]
+    chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
+    _add_rms_norm_tiles_kernel[(lora.meta.num_tiles, _row_blocks(lora, config))](
+        x, residual if residual is not None else x, weight, normed, hidden, x.stride(0),
+        residual.stride(0) if residual is not None else 0, normed.stride(0), hidden.stride(0), n, eps,
+        *_tile_args(lora), HAS_RESIDUAL=residual is not None, CHUNK=chunk, **_launch(lora, config),
+    )
+    return normed, hidden
+
+
+@triton.jit
+def _halves_plus_delta(base, mask, h_rows, in_use, b_ptr, cols, col_mask, slot, R: tl.constexpr,
+                       ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """The halves at `base` and `base + HALF` ([ROWS, heads x half]) with the delta of B rows `cols` and
+    `cols + HALF` added (none for base tokens)."""
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    if slot >= 0:
+        x1 = _plus_delta_tile(x1, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+        x2 = _plus_delta_tile(x2, h_rows, in_use, b_ptr, cols + HALF, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+    return x1, x2
+
+
+@triton.jit
+def _store_rotated(base, x1, x2, cos, sin, mask, HALF: tl.constexpr):
+    """Rotate the halves x1, x2 (each result rounded to their dtype), store them at `base` and `base + HALF` and
+    return them."""
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    y1, y2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
+    tl.store(base, y1, mask=mask)
+    tl.store(base + HALF, y2, mask=mask)
+    return y1, y2
+
+
+@triton.jit
+def _store_cache(cache_ptr, row_offsets, x1, x2, mask, HALF: tl.constexpr):
+    tl.store(cache_ptr + row_offsets, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + row_offsets + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+
+
+# positions and KV slots: not specialized on alignment (see `fused_triton._rotary_and_write_kv_kernel`)
+@triton.jit(do_not_specialize_on_alignment=["pos_ptr", "slots_ptr"])
+def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
+                         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
+                         stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
+                         order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, sbq, sbk, sbv, stride_hn, stride_ht,
+                         R: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                         HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """Program (tile, j, part): a chunk of the rows' q heads, of their k heads (and cache rows) or of their v heads
+    (and theirs), laid out flat as (head, dim in half) per row."""
+    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
+                                              tl.program_id(0), tl.program_id(2), ROWS)
+    if not has_rows:
+        return
+    j = tl.program_id(1)
+    e = tl.arange(0, HEADS_PER_PROGRAM * HALF_PAD)
+    dims = e % HALF_PAD
+    local_head = e // HALF_PAD
+    in_half = dims < HALF
+    pos = tl.load(pos_ptr + rows, mask=in_use, other=0).to(tl.int64)
+    table_mask = in_use[:, None] & in_half[None, :]
+    cos = tl.load(cos_ptr + pos[:, None] * stride_table + dims[None, :], mask=table_mask, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_table + dims[None, :], mask=table_mask, other=0.0)
+    cache_slot = tl.load(slots_ptr + rows, mask=in_use, other=0).to(tl.int64)
+    h_rows = h_ptr + rows[:, None] * stride_ht
+    adapter = tl.maximum(slot, 0).to(tl.int64)
+    q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
+    kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
+    if j < q_programs:
+        head = j * HEADS_PER_PROGRAM + local_head
+        col_mask = (head < heads) & in_half
+        mask = in_use[:, None] & col_mask[None, :]
+        base = q_ptr + rows[:, None] * stride_qt + (head * stride_qh + dims)[None, :]
+        x1, x2 = _halves_plus_delta(base, mask, h_rows, in_use, bq_ptr + adapter * sbq, head * (2 * HALF) + dims,
+                                    col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
+        _store_rotated(base, x1, x2, cos, sin, mask, HALF)
+    elif j < q_programs + kv_programs:
+        head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
+        col_mask = (head < kv_heads) & in_half
+        mask = in_use[:, None] & col_mask[None, :]
+        base = k_ptr + rows[:, None] * stride_kt + (head * stride_kh + dims)[None, :]
+        x1, x2 = _halves_plus_delta(base, mask, h_rows + stride_hn, in_use, bk_ptr + adapter * sbk,
+                                    head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
+        y1, y2 = _store_rotated(base, x1, x2, cos, sin, mask, HALF)
+        _store_cache(k_cache_ptr, cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
+                     y1, y2, mask, HALF)
+    else:
+        head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
+        col_mask = (head < kv_heads) & in_half
+        mask = in_use[:, None] & col_mask[None, :]
+        base = v_ptr + rows[:, None] * stride_vt + (head * stride_vh + dims)[None, :]
+        x1, x2 = _halves_plus_delta(base, mask, h_rows + 2 * stride_hn, in_use, bv_ptr + adapter * sbv,
+                                    head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
+        if slot >= 0:
+            tl.store(base, x1, mask=mask)
+            tl.store(base + HALF, x2, mask=mask)
+        _store_cache(v_cache_ptr, cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
+                     x1, x2, mask, HALF)
+
+
+def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        slot_mapping: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None) -> None:
+    """q, k and v plus their deltas, q and k rotated in place, k and v stored in the caches: a grid of (tile, chunk
+    of `config.chunk` q, k or v heads, part of the tile); v holds its delta after. Shapes and strides as
+    `fused_triton.rotary_and_write_kv` takes them."""
+    tokens, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    if tokens == 0:
+        return
+    config = config or LORA_TILE_CONFIGS["rotary_and_write_kv"]
+    half_pad = triton.next_power_of_2(dim // 2)
+    heads_per_program = max(config.chunk, MIN_COLUMNS // half_pad)
+    programs = triton.cdiv(heads, heads_per_program) + 2 * triton.cdiv(kv_heads, heads_per_program)
+    _rotary_tiles_kernel[(lora.meta.num_tiles, programs, _row_blocks(lora, config))](
+        q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads,
+        *_tile_args(lora), HALF=dim // 2, HALF_PAD=half_pad, HEADS_PER_PROGRAM=heads_per_program,
+        **_launch(lora, config),
+    )

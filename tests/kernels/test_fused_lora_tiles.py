@@ -1,0 +1,348 @@
+"""The tiled (segment, "SGMV") LoRA variants of the fused ops against "segment expand first, then the op".
+
+A program takes a tile of same-slot tokens from the step's metadata, so the cases are about tiles: tokens
+unsorted across slots, a slot with more tokens than a tile holds, empty slots, base-only steps, base rows
+mixed in, a rank that is not a power of two (and one past the rank block, which loops) and widths that are
+not. Outputs start as NaN, so a row no program writes fails. As in test_fused_lora, h and B hold multiples of
+1/8 and 1/16 (the delta's float32 sum is exact in any order) and the oracle is the same backend's expand and
+plain op, which the tiled variants must match exactly; one test per op holds them to float64 with random
+values. The dispatcher test checks which variant a step's token count gets.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from kernels import LoRADelta, lora_tuning
+from tests.kernels.lora_cases import (
+    NUM_SLOTS,
+    exact_delta,
+    expand_reference,
+    random_weights,
+    record_calls,
+    same,
+    slots_tensor,
+    triton_runs_in_process,
+    within_a_rounding,
+)
+
+pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
+                                reason="Triton was imported before its interpreter could be enabled")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _shuffled(slots: list[int]) -> list[int]:
+    random.Random(0).shuffle(slots)
+    return slots
+
+
+# name -> per-token slots; tiles are 16 or 32 tokens
+PATTERNS: dict[str, list[int]] = {
+    # slot 2 spans three 16-token tiles, slots 1 and 3 have no tokens, base rows between
+    "unsorted_mixed": _shuffled([2] * 37 + [0] * 5 + [4] + [-1] * 9),
+    "all_base": [-1] * 20,
+    "one_slot": [3] * 33,
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Tile height of the metadata, the rank, and the launch config (None: the module's default)."""
+
+    block_m: int
+    rank: int
+    config: object = None
+
+
+def _launches():
+    from kernels.fused_lora_tiles_triton import LoRATileConfig
+
+    small = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=16)
+    return [pytest.param(Launch(16, 12), id="tile16-default"),
+            pytest.param(Launch(32, 20, small), id="tile32-in-parts-rank20")]
+
+
+@pytest.fixture(params=PATTERNS.values(), ids=PATTERNS.keys())
+def slots(request) -> list[int]:
+    return request.param
+
+
+@pytest.fixture(params=_launches())
+def launch(request) -> Launch:
+    return request.param
+
+
+def _config(launch: Launch) -> dict:
+    return {} if launch.config is None else {"config": launch.config}
+
+
+def _expanded(y: torch.Tensor, delta: LoRADelta) -> torch.Tensor:
+    """A copy of y with the delta applied by the Triton segment expand."""
+    from kernels import lora_triton
+
+    y = y.clone()
+    lora_triton.expand_slices(y, delta.h, delta.b_slices, delta.meta, path="sgmv")
+    return y
+
+
+def _poisoned(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=DEVICE)
+
+
+def _float64_expanded(y: torch.Tensor, delta: LoRADelta, slots: list[int]) -> torch.Tensor:
+    return expand_reference(y, delta.h, delta.b_slices, slots_tensor(slots, DEVICE))
+
+
+def _random_delta(slots: list[int], widths: list[int], rank: int, block_m: int) -> LoRADelta:
+    """Random h (zero on base rows) and B in float32, on metadata of `block_m`-token tiles."""
+    delta = exact_delta(slots, widths, rank, torch.float32, seed=9, device=DEVICE, block_m=block_m)
+    h = torch.randn(delta.h.shape, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    h[:, slots_tensor(slots, DEVICE) < 0] = 0.0
+    return LoRADelta(h, tuple(random_weights([(w, rank) for w in widths], torch.float32, DEVICE)), delta.meta)
+
+
+# silu_and_mul
+
+INTERMEDIATE = 80
+
+
+def _gate_up(slots: list[int], dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(len(slots), 2 * INTERMEDIATE, generator=gen) * 3).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_silu_and_mul_equals_expand_then_op(slots, launch, dtype):
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    gate_up = _gate_up(slots, dtype)
+    lora = exact_delta(slots, [INTERMEDIATE] * 2, launch.rank, dtype, seed=4, device=DEVICE, block_m=launch.block_m)
+    got = tiles.silu_and_mul(gate_up, lora, out=_poisoned(len(slots), INTERMEDIATE, dtype=dtype), **_config(launch))
+    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+
+
+def test_tiled_silu_and_mul_matches_float64(launch):
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    gate_up = _gate_up(slots, torch.float32)
+    lora = _random_delta(slots, [INTERMEDIATE] * 2, launch.rank, launch.block_m)
+    gate, up = _float64_expanded(gate_up, lora, slots).chunk(2, dim=-1)
+    got = tiles.silu_and_mul(gate_up, lora, **_config(launch))
+    torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_silu_and_mul_leaves_gate_up_unchanged():
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    gate_up = _gate_up(slots, torch.bfloat16)
+    before = gate_up.clone()
+    tiles.silu_and_mul(gate_up, exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE))
+    assert torch.equal(gate_up, before)
+
+
+# add_rms_norm
+
+WIDTH, EPS = 72, 1e-6
+
+
+def _norm_inputs(slots: list[int], dtype: torch.dtype, with_residual: bool):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(len(slots), WIDTH, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(len(slots), WIDTH, generator=gen).to(DEVICE, dtype) if with_residual else None
+    return x, residual, torch.rand(WIDTH, generator=gen).add(0.5).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_tiled_add_rms_norm_equals_expand_then_norm(slots, launch, dtype, with_residual):
+    """The residual out exactly; the normed rows within a rounding (the squares add up in chunks)."""
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    x, residual, weight = _norm_inputs(slots, dtype, with_residual)
+    lora = exact_delta(slots, [WIDTH], launch.rank, dtype, seed=2, device=DEVICE, block_m=launch.block_m)
+    poisoned = (_poisoned(len(slots), WIDTH, dtype=dtype), _poisoned(len(slots), WIDTH, dtype=dtype))
+    out, hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, out=poisoned, **_config(launch))
+    want_out, want_hidden = fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)
+    torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=0)
+    within_a_rounding(out, want_out)
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_tiled_add_rms_norm_matches_float64(launch, with_residual):
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    x, residual, weight = _norm_inputs(slots, torch.float32, with_residual)
+    lora = _random_delta(slots, [WIDTH], launch.rank, launch.block_m)
+    hidden = _float64_expanded(x, lora, slots) + (0 if residual is None else residual.double())
+    normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    got_out, got_hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, **_config(launch))
+    torch.testing.assert_close(got_hidden.double(), hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_out.double(), normed, rtol=1e-5, atol=1e-5)
+
+
+def test_tiled_add_rms_norm_leaves_x_unchanged():
+    from kernels import fused_lora_tiles_triton as tiles
+
+    slots = PATTERNS["unsorted_mixed"]
+    x, residual, weight = _norm_inputs(slots, torch.bfloat16, True)
+    before = x.clone()
+    tiles.add_rms_norm(x, residual, weight, EPS, exact_delta(slots, [WIDTH], 12, torch.bfloat16, seed=2,
+                                                              device=DEVICE))
+    assert torch.equal(x, before)
+
+
+# rotary_and_write_kv
+
+CACHE_BLOCK_SIZE = 4
+
+
+@dataclass
+class RotaryCase:
+    """q/k/v views of one qkv row buffer, rotary tables, NaN-poisoned caches and their slots."""
+
+    shape: tuple[int, int, int]
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: tuple[int, int, int], tokens: int, dtype: torch.dtype) -> RotaryCase:
+        heads, kv_heads, dim = shape
+        gen = torch.Generator().manual_seed(5)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+        freqs = torch.outer(torch.arange(64.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
+        emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32)
+        blocks = tokens // CACHE_BLOCK_SIZE + 2
+        cache = torch.full((blocks, CACHE_BLOCK_SIZE, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
+        return cls(shape, qkv, emb.cos(), emb.sin(), torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE), cache,
+                   cache.clone(), torch.randperm(blocks * CACHE_BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE))
+
+    @property
+    def widths(self) -> list[int]:
+        heads, kv_heads, dim = self.shape
+        return [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def to(self, dtype: torch.dtype) -> RotaryCase:
+        return RotaryCase(self.shape, self.qkv.to(dtype), self.cos.to(dtype), self.sin.to(dtype), self.positions,
+                          self.k_cache.to(dtype), self.v_cache.to(dtype), self.slot_mapping)
+
+    def run(self, op, lora: LoRADelta | None = None, **config) -> None:
+        heads, kv_heads, dim = self.shape
+        q, k, v = self.qkv.split(self.widths, dim=-1)
+        tokens = self.qkv.shape[0]
+        views = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+        lora_args = () if lora is None else (lora,)
+        op(*views, self.cos, self.sin, self.positions, self.k_cache, self.v_cache, self.slot_mapping, *lora_args,
+           **config)
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.qkv, self.k_cache, self.v_cache]
+
+
+# (heads, kv_heads, head_dim): the tiny test models, and head counts and half widths that need padding
+HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
+
+
+@pytest.mark.parametrize("shape", HEAD_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, dtype):
+    """q and k end rotated after their delta, v holds its delta, and the caches hold both, for every row."""
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    got = RotaryCase.random(shape, len(slots), dtype)
+    want = RotaryCase.random(shape, len(slots), dtype)
+    lora = exact_delta(slots, got.widths, launch.rank, dtype, seed=6, device=DEVICE, block_m=launch.block_m)
+    got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
+    want.qkv.copy_(_expanded(want.qkv, lora))
+    want.run(fused_triton.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        same(a, b)
+
+
+def test_tiled_rotary_and_write_kv_matches_float64(launch):
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_torch
+
+    slots = PATTERNS["unsorted_mixed"]
+    got = RotaryCase.random((6, 3, 24), len(slots), torch.float32)
+    want = got.to(torch.float64)
+    lora = _random_delta(slots, got.widths, launch.rank, launch.block_m)
+    got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
+    want.qkv.copy_(_float64_expanded(want.qkv, lora, slots))
+    want.run(fused_torch.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+# the dispatcher
+
+@pytest.mark.parametrize("num_tokens", [lora_tuning.SGMV_MIN_TOKENS - 1, lora_tuning.SGMV_MIN_TOKENS])
+def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypatch):
+    """Up to 128 tokens the per-token variants run, from 129 the tiled ones; both equal expand-then-op."""
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    kernels = ["_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel", "_rotary_tiles_kernel"]
+    launches = record_calls(monkeypatch, tiles, *kernels)
+    slots = [t % (NUM_SLOTS + 1) - 1 for t in range(num_tokens)]
+    gate_up = _gate_up(slots, torch.float32)[:, :32]
+    lora = exact_delta(slots, [16, 16], 8, torch.float32, seed=4, device=DEVICE)
+    got = fused_triton.silu_and_mul(gate_up, lora)
+    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+    x, residual, weight = _norm_inputs(slots, torch.float32, True)
+    lora = exact_delta(slots, [WIDTH], 8, torch.float32, seed=2, device=DEVICE)
+    got = fused_triton.add_rms_norm(x, residual, weight, EPS, lora)[1]
+    torch.testing.assert_close(got, fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)[1],
+                               rtol=0, atol=0)
+    got, want = RotaryCase.random((4, 2, 16), num_tokens, torch.float32), RotaryCase.random((4, 2, 16), num_tokens,
+                                                                                             torch.float32)
+    lora = exact_delta(slots, got.widths, 8, torch.float32, seed=6, device=DEVICE)
+    got.run(fused_triton.rotary_and_write_kv, lora)
+    want.qkv.copy_(_expanded(want.qkv, lora))
+    want.run(fused_triton.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        same(a, b)
+    assert [call.name for call in launches] == kernels * (lora_tuning.choose_path(num_tokens) == "sgmv")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_tiled_ops_replay_with_the_next_steps_slots_and_h():
+    """The tiled kernels read the tiles and h from device tensors: a graph replays with what the next step wrote."""
+    from kernels import fused_triton, prepare_lora_metadata
+
+    slots = PATTERNS["unsorted_mixed"] * 3  # 156 tokens: the segment path
+    x, residual, weight = _norm_inputs(slots, torch.bfloat16, True)
+    gate_up = _gate_up(slots, torch.bfloat16)
+    norm_lora = exact_delta(slots, [WIDTH], 12, torch.bfloat16, seed=2, device=DEVICE)
+    silu_lora = exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE)
+    silu_lora = LoRADelta(silu_lora.h, silu_lora.b_slices, norm_lora.meta)  # one metadata per step
+
+    def step():
+        return (*fused_triton.add_rms_norm(x, residual, weight, EPS, norm_lora),
+                fused_triton.silu_and_mul(gate_up, silu_lora))
+
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    prepare_lora_metadata(slots_tensor(list(reversed(slots)), DEVICE), NUM_SLOTS, out=norm_lora.meta)
+    for delta in (norm_lora, silu_lora):
+        delta.h.copy_(delta.h.flip(1))
+    graph.replay()
+    for got, want in zip(captured, step()):
+        same(got, want)
