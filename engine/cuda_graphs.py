@@ -132,7 +132,8 @@ class DecodeGraphs:
         lora = None
         if with_lora:
             # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
-            # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV) 10.93 against 10.79
+            # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV, the path 128 took
+            # then) 10.93 against 10.79
             per_token = lora_tuning.choose_path(size) == "bgmv"
             lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if per_token else None,
                             fold_into=lora_tuning.folded_ops(size))
@@ -169,10 +170,6 @@ class DecodeGraphs:
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
-
-    def bucket(self, batch: int) -> int:
-        """The smallest captured batch size that holds `batch` (which `fits`)."""
-        return smallest_bucket(self.buckets, batch)
 
     def key(self, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, and whether it

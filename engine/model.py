@@ -1,10 +1,11 @@
 """Our own forward pass for Llama-style decoders (Llama 2/3, Mistral, Qwen2, SmolLM).
 
 Every projection is a `LoRALinear`, so the multi-LoRA path adds a per-token adapter delta to
-q, k, v, o, gate, up and down without the model knowing which adapters exist. When a step folds
-the expands (`LoRAStep.fold_into`), a projection returns its delta (`kernels.LoRADelta`) instead
-of adding it, and the fused op that consumes the output adds it: qkv's in the rotary + KV write,
-gate/up's in SiLU·up, o's and down's in the next RMSNorm.
+q, k, v, o, gate, up and down without the model knowing which adapters exist. When a step folds a
+projection's expand into the fused op that consumes its output (that op is in `LoRAStep.fold_into`,
+`lora_tuning.folded_ops`), the projection returns its delta (`kernels.LoRADelta`) instead of adding it
+and the op adds it: qkv's in the rotary + KV write, gate/up's in SiLU·up, o's and down's in the next
+RMSNorm (per-token steps fold all four; segment steps only qkv's and gate/up's).
 
 The forward runs in pieces: everything between two attentions (a layer's o_proj, norm and MLP, the
 next layer's norm, qkv_proj, rotary and KV write) is one piece (`LlamaForCausalLM.piece`), and
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 import kernels
-from kernels import fused
+from kernels import fused, lora_tuning
 from kernels.attention import decode_attention, prefill_attention
 
 from .step_input import AttentionMetadata, LoRAStep, StepInput
@@ -28,7 +29,7 @@ from .step_input import AttentionMetadata, LoRAStep, StepInput
 
 class LoRALinear(nn.Module):
     """`y = x W^T + b`, plus `expand(shrink(x, A[slot]), B[slot])` for each output slice (added here, or
-    returned as a `LoRADelta` for the next op when the step folds the expands).
+    returned as a `LoRADelta` when the step folds into `consumer`, the fused op that reads y).
 
     Slices (q/k/v, gate/up) share one base matmul; `lora_a[i]`/`lora_b[i]` are the stacked
     slot tensors `[S, R, K]` / `[S, N_i, R]` the LoRA manager attaches.
@@ -39,7 +40,9 @@ class LoRALinear(nn.Module):
         self.in_features = in_features
         self.out_sizes = list(out_sizes)
         self.names = list(names)
-        self.consumer = consumer  # the fused op that reads the output, which may take the delta instead
+        if consumer not in lora_tuning.FUSED_CONSUMERS:
+            raise ValueError(f"consumer must be one of {sorted(lora_tuning.FUSED_CONSUMERS)}, got {consumer!r}")
+        self.consumer = consumer
         self.weight = nn.Parameter(torch.empty(sum(out_sizes), in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
         self.lora_a: list[torch.Tensor] | None = None
@@ -47,9 +50,9 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
-        """(y, None) with the adapters' deltas added; or, when the step folds expands into the next op
-        (the step folds into `self.consumer`), the base product and the delta that op adds. out: where y goes (a buffer
-        that outlives a CUDA-graph piece), else a new tensor."""
+        """(y, None) with the adapters' deltas added; or, when `self.consumer` is in `lora.fold_into`, the
+        base product and the delta that op adds. out: where y goes (a buffer that outlives a CUDA-graph
+        piece), else a new tensor."""
         if lora is None or self.lora_a is None:
             return self._base(x, out), None
         if lora.side_stream is None:

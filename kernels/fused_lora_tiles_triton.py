@@ -70,9 +70,10 @@ def _tile_args(lora: LoRADelta) -> tuple:
 def _launch(lora: LoRADelta, config: LoRATileConfig) -> dict:
     """The constexprs and launch options every tiled kernel takes: rows per program, rank, rank block."""
     block_m = lora.meta.block_m
-    return dict(R=lora.rank, ROWS=min(config.rows or block_m, block_m),
-                BLOCK_R=max(MIN_BLOCK_R, min(config.block_r, triton.next_power_of_2(lora.rank))),
-                DOT_F32=dot_f32(lora.b_slices[0].dtype), num_warps=config.num_warps, num_stages=config.num_stages)
+    return {"R": lora.rank, "ROWS": min(config.rows or block_m, block_m),
+            "BLOCK_R": max(MIN_BLOCK_R, min(config.block_r, triton.next_power_of_2(lora.rank))),
+            "DOT_F32": dot_f32(lora.b_slices[0].dtype), "num_warps": config.num_warps,
+            "num_stages": config.num_stages}
 
 
 def _row_blocks(lora: LoRADelta, config: LoRATileConfig) -> int:

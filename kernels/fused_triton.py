@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels import fused_lora_tiles_triton as tiles
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_rows, slot_stacks
-from kernels.lora_tuning import choose_path
+from kernels import lora_tuning
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -71,7 +71,7 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
 def _tiled(lora: LoRADelta) -> bool:
     """Whether a delta goes to the tiled variants: steps the LoRA kernels run in segments (`choose_path`), where
     reading B once per token would cost more than the fold saves."""
-    return choose_path(lora.meta.num_tokens) == "sgmv"
+    return lora_tuning.choose_path(lora.meta.num_tokens) == "sgmv"
 
 
 def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
