@@ -27,6 +27,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -59,6 +60,7 @@ FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
 EXPAND_THEN_OP = "expand + op"
 ADAPTERS, RANK = 64, 16
 SEGMENT_ADAPTERS = (8, 64)  # adapter counts of the tiled variants' rows
+LaunchConfig = LoRAOpConfig | LoRATileConfig  # the launch shape of a per-token or a tiled variant
 OPS = ["add_rms_norm", "silu_and_mul", "rotary_and_write_kv", "greedy"]
 
 
@@ -250,18 +252,21 @@ def _tile_variants(op: str, adapters: int) -> list[tuple[str, LoRATileConfig]]:
 
 
 def _lora_cases(inp: Inputs) -> dict[str, Case]:
-    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op: the
-    per-token variants on the per-token path, the tiled ones on the segment path."""
+    """'op+lora <launch shape>' -> the op with the expand folded in against the expand launch, then the op: on the
+    per-token path the per-token variants against the per-token expand, on the segment path the tiled ones
+    ('op+lora a<adapters> tile <launch shape>') against the SGMV expand."""
     if lora_tuning.choose_path(inp.tokens) == "sgmv":
         cases = {}
         for adapters in SEGMENT_ADAPTERS:
-            cases.update(_tile_cases(inp, adapters))
+            cases.update(_folded_cases(inp, adapters, partial(_tile_variants, adapters=adapters), "tile_config"))
         return cases
-    return _per_token_cases(inp)
+    return _folded_cases(inp, ADAPTERS, _variants, "config")
 
 
-def _tile_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
-    """'op+lora a<adapters> tile <launch shape>' -> the tiled variant against the SGMV expand, then the op."""
+def _folded_cases(inp: Inputs, adapters: int, variants: Callable[[str], list[tuple[str, LaunchConfig]]],
+                  launch: str) -> dict[str, Case]:
+    """For each op, the row of each of `variants(op)`: the op with the expand folded in, its launch shape passed
+    as the keyword `launch`, against the expand launch, then the plain op (one baseline an op, timed once)."""
     x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
     cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
     hidden_lora = inp.lora([inp.shapes.hidden], seed=1, adapters=adapters)
@@ -281,101 +286,38 @@ def _tile_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
         _expand(qkv_scratch, qkv_lora)
         fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
 
-    def rotary(config: LoRATileConfig):
+    def norm(config: LaunchConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        return fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, **{launch: config})
+
+    def silu(config: LaunchConfig) -> torch.Tensor:
+        return fused_triton.silu_and_mul(gate_up, gate_up_lora, **{launch: config})
+
+    def rotary(config: LaunchConfig) -> None:
         fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots, qkv_lora,
-                                         tile_config=config)
+                                         **{launch: config})
 
-    def norm(config: LoRATileConfig):
-        return fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, tile_config=config)
-
-    def silu(config: LoRATileConfig):
-        return fused_triton.silu_and_mul(gate_up, gate_up_lora, tile_config=config)
-
-    def check_norm(config: LoRATileConfig) -> float:
+    def check_norm(config: LaunchConfig) -> float:
         want = fused_triton.add_rms_norm(_expand(x.clone(), hidden_lora), residual, weight, 1e-5)
         return max(_rel(a, b) for a, b in zip(norm(config), want))
 
-    def check_silu(config: LoRATileConfig) -> float:
+    def check_silu(config: LaunchConfig) -> float:
         return _rel(silu(config), fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
 
-    def check_rotary(config: LoRATileConfig) -> float:
+    def check_rotary(config: LaunchConfig) -> float:
         results = []
         for fold in (True, False):
             buffer, caches = qkv.clone(), inp.caches()
             if not fold:
                 _expand(buffer, qkv_lora)
             fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
-                                             qkv_lora if fold else None, tile_config=config)
+                                             qkv_lora if fold else None, **{launch: config})
             results.append((buffer, *caches))
         return max(_rel(a, b) for a, b in zip(*results))
 
-    cases = {}
-    for name, config in _tile_variants("add_rms_norm", adapters):
-        cases[name] = Case(EXPAND_THEN_OP, expand_then_norm, lambda c=config: norm(c), lambda c=config: check_norm(c))
-    for name, config in _tile_variants("silu_and_mul", adapters):
-        cases[name] = Case(EXPAND_THEN_OP, expand_then_silu, lambda c=config: silu(c), lambda c=config: check_silu(c))
-    for name, config in _tile_variants("rotary_and_write_kv", adapters):
-        cases[name] = Case(EXPAND_THEN_OP, expand_then_rotary, lambda c=config: rotary(c),
-                           lambda c=config: check_rotary(c))
-    return cases
-
-
-def _per_token_cases(inp: Inputs) -> dict[str, Case]:
-    """'op+lora <launch shape>' -> the per-token variant against the per-token expand, then the op."""
-    x, residual, weight, gate_up, qkv = inp.x, inp.residual, inp.weight, inp.gate_up, inp.qkv
-    cos, sin, positions, slots = inp.cos, inp.sin, inp.positions, inp.slots
-    hidden_lora = inp.lora([inp.shapes.hidden], seed=1)
-    gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2)
-    qkv_lora = inp.lora(inp.qkv_widths, seed=3)
-    x_scratch, gate_up_scratch, qkv_scratch = x.clone(), gate_up.clone(), qkv.clone()
-    q, k, v = inp.qkv_views(qkv_scratch)
-    k_cache, v_cache = inp.caches()
-
-    def expand_then_norm():
-        return fused_triton.add_rms_norm(_expand(x_scratch, hidden_lora), residual, weight, 1e-5)
-
-    def expand_then_silu():
-        return fused_triton.silu_and_mul(_expand(gate_up_scratch, gate_up_lora))
-
-    def expand_then_rotary():
-        _expand(qkv_scratch, qkv_lora)
-        fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
-
-    def check_norm(config: LoRAOpConfig) -> float:
-        got = fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, config=config)
-        want = fused_triton.add_rms_norm(_expand(x.clone(), hidden_lora), residual, weight, 1e-5)
-        return max(_rel(a, b) for a, b in zip(got, want))
-
-    def check_silu(config: LoRAOpConfig) -> float:
-        got = fused_triton.silu_and_mul(gate_up, gate_up_lora, config=config)
-        return _rel(got, fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
-
-    def check_rotary(config: LoRAOpConfig) -> float:
-        results = []
-        for fold in (True, False):
-            buffer, caches = qkv.clone(), inp.caches()
-            if not fold:
-                _expand(buffer, qkv_lora)
-            fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
-                                             qkv_lora if fold else None, config=config)
-            results.append((buffer, *caches))
-        return max(_rel(a, b) for a, b in zip(*results))
-
-    cases = {}
-    for name, config in _variants("add_rms_norm"):
-        cases[name] = Case(EXPAND_THEN_OP, expand_then_norm,
-                           lambda c=config: fused_triton.add_rms_norm(x, residual, weight, 1e-5, hidden_lora, config=c),
-                           lambda c=config: check_norm(c))
-    for name, config in _variants("silu_and_mul"):
-        cases[name] = Case(EXPAND_THEN_OP, expand_then_silu,
-                           lambda c=config: fused_triton.silu_and_mul(gate_up, gate_up_lora, config=c),
-                           lambda c=config: check_silu(c))
-    for name, config in _variants("rotary_and_write_kv"):
-        cases[name] = Case(EXPAND_THEN_OP, expand_then_rotary,
-                           lambda c=config: fused_triton.rotary_and_write_kv(q, k, v, cos, sin, positions, k_cache,
-                                                                             v_cache, slots, qkv_lora, config=c),
-                           lambda c=config: check_rotary(c))
-    return cases
+    ops = [("add_rms_norm", expand_then_norm, norm, check_norm), ("silu_and_mul", expand_then_silu, silu, check_silu),
+           ("rotary_and_write_kv", expand_then_rotary, rotary, check_rotary)]
+    return {name: Case(EXPAND_THEN_OP, baseline, partial(run, config), partial(check, config))
+            for op, baseline, run, check in ops for name, config in variants(op)}
 
 
 def main() -> None:

@@ -1,10 +1,11 @@
-"""Shared inputs and a float64 per-token oracle for the LoRA kernel tests, and a recorder of kernel calls
-for the backend-switch tests."""
+"""Shared inputs (slot patterns, deltas, the rotary-and-cache-write case) and a float64 per-token oracle for the
+LoRA kernel tests, and a recorder of kernel calls for the backend-switch tests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -92,12 +93,83 @@ def exact_delta(slots: Sequence[int], widths: Sequence[int], rank: int, dtype: t
     return LoRADelta(h, tuple(b_slices), prepare_lora_metadata(slot_tensor, NUM_SLOTS, out=meta))
 
 
+CACHE_BLOCK_SIZE = 4
+# (heads, kv_heads, head_dim): the tiny test models, and head counts and half widths that need padding
+HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
+
+
+@dataclass
+class RotaryCase:
+    """q/k/v views of one qkv row buffer, rotary tables, NaN-poisoned caches (a row no program writes stays NaN)
+    and their slots."""
+
+    shape: tuple[int, int, int]
+    qkv: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+
+    @classmethod
+    def random(cls, shape: tuple[int, int, int], tokens: int, dtype: torch.dtype, device: str = "cpu") -> RotaryCase:
+        """The same case for the same arguments (a fixed seed), so two calls give a case and its twin."""
+        heads, kv_heads, dim = shape
+        gen = torch.Generator().manual_seed(5)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+        freqs = torch.outer(torch.arange(64.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
+        emb = torch.cat((freqs, freqs), dim=-1).to(device, torch.float64 if dtype == torch.float64 else torch.float32)
+        blocks = tokens // CACHE_BLOCK_SIZE + 2
+        cache = torch.full((blocks, CACHE_BLOCK_SIZE, kv_heads, dim), float("nan"), dtype=dtype, device=device)
+        return cls(shape, qkv, emb.cos(), emb.sin(), torch.randint(0, 64, (tokens,), generator=gen).to(device), cache,
+                   cache.clone(), torch.randperm(blocks * CACHE_BLOCK_SIZE, generator=gen)[:tokens].to(device))
+
+    @property
+    def widths(self) -> list[int]:
+        heads, kv_heads, dim = self.shape
+        return [heads * dim, kv_heads * dim, kv_heads * dim]
+
+    def to(self, dtype: torch.dtype) -> RotaryCase:
+        return RotaryCase(self.shape, self.qkv.to(dtype), self.cos.to(dtype), self.sin.to(dtype), self.positions,
+                          self.k_cache.to(dtype), self.v_cache.to(dtype), self.slot_mapping)
+
+    def run(self, op: Callable[..., None], lora: LoRADelta | None = None, **config: Any) -> None:
+        """`op` (a `rotary_and_write_kv`) on this case, with `lora` when given."""
+        heads, kv_heads, dim = self.shape
+        q, k, v = self.qkv.split(self.widths, dim=-1)
+        tokens = self.qkv.shape[0]
+        views = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+        lora_args = () if lora is None else (lora,)
+        op(*views, self.cos, self.sin, self.positions, self.k_cache, self.v_cache, self.slot_mapping, *lora_args,
+           **config)
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.qkv, self.k_cache, self.v_cache]
+
+
 def same(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 def within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
     torch.testing.assert_close(got, want, rtol=torch.finfo(got.dtype).eps, atol=1e-6)
+
+
+def replays_the_next_step(step: Callable[[], Sequence[torch.Tensor]], deltas: Sequence[LoRADelta],
+                          next_slots: torch.Tensor) -> None:
+    """Capture `step` in a CUDA graph, write the next step's slots into the metadata the deltas share and reverse
+    their h rows, replay: the kernels read both from device tensors, so the replay must give what a fresh call does."""
+    step()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    prepare_lora_metadata(next_slots, NUM_SLOTS, out=deltas[0].meta)
+    for delta in deltas:
+        delta.h.copy_(delta.h.flip(1))
+    graph.replay()
+    for got, want in zip(captured, step()):
+        same(got, want)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

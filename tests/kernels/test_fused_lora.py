@@ -19,10 +19,13 @@ import torch
 
 from kernels import LoRADelta, fused, fused_torch, lora_torch, prepare_lora_metadata
 from tests.kernels.lora_cases import (
+    HEAD_SHAPES,
     NUM_SLOTS,
+    RotaryCase,
     exact_delta,
     expand_reference,
     packed_weights,
+    replays_the_next_step,
     same,
     slots_tensor,
     triton_runs_in_process,
@@ -154,57 +157,8 @@ def test_silu_and_mul_rows_without_an_adapter_equal_the_plain_op(impl):
 
 # rotary_and_write_kv
 
-BLOCK_SIZE, NUM_BLOCKS = 4, 5
-
-
-@dataclass
-class RotaryCase:
-    """q/k/v views of one qkv row buffer, tables, NaN-poisoned caches, and the q/k/v delta."""
-
-    shape: tuple[int, int, int]
-    qkv: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-    lora: LoRADelta
-
-    def views(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        heads, kv_heads, dim = self.shape
-        q, k, v = self.qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        tokens = self.qkv.shape[0]
-        return q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
-
-    def run(self, module, lora: LoRADelta | None, **config) -> None:
-        module.rotary_and_write_kv(*self.views(), self.cos, self.sin, self.positions, self.k_cache, self.v_cache,
-                                   self.slot_mapping, lora, **config)
-
-
 def _rotary_case(shape: tuple[int, int, int], dtype: torch.dtype) -> RotaryCase:
-    heads, kv_heads, dim = shape
-    tokens = len(SLOTS)
-    gen = torch.Generator().manual_seed(5)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
-    freqs = torch.outer(torch.arange(64.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
-    return RotaryCase(
-        shape, qkv, emb.cos().to(DEVICE), emb.sin().to(DEVICE),
-        torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE), cache, cache.clone(),
-        torch.randperm(NUM_BLOCKS * BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE),
-        _delta([heads * dim, kv_heads * dim, kv_heads * dim], dtype, seed=6),
-    )
-
-
-def _clone(case: RotaryCase) -> RotaryCase:
-    return RotaryCase(case.shape, case.qkv.clone(), case.cos, case.sin, case.positions, case.k_cache.clone(),
-                      case.v_cache.clone(), case.slot_mapping, case.lora)
-
-
-# (heads, kv_heads, head_dim): the tiny test models, and head counts and half widths that need padding
-HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
+    return RotaryCase.random(shape, len(SLOTS), dtype, DEVICE)
 
 
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
@@ -212,18 +166,18 @@ HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id=
 def test_rotary_and_write_kv_with_lora_equals_expand_then_op(impl, shape, dtype):
     """q and k end rotated after their delta, v holds its delta, and the caches hold both."""
     got, want = _rotary_case(shape, dtype), _rotary_case(shape, dtype)
-    got.run(impl.ops, got.lora, **impl.config("heads"))
-    want.qkv.copy_(impl.expanded(want.qkv, want.lora))
-    want.run(impl.ops, None)
-    for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
+    lora = _delta(got.widths, dtype, seed=6)
+    got.run(impl.ops.rotary_and_write_kv, lora, **impl.config("heads"))
+    want.qkv.copy_(impl.expanded(want.qkv, lora))
+    want.run(impl.ops.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
         same(a, b)
 
 
 def test_rotary_and_write_kv_rows_without_an_adapter_equal_the_plain_op(impl):
-    got = _rotary_case((6, 3, 24), torch.bfloat16)
-    plain = _clone(got)
-    got.run(impl.ops, got.lora, **impl.config("heads"))
-    plain.run(impl.ops, None)
+    got, plain = _rotary_case((6, 3, 24), torch.bfloat16), _rotary_case((6, 3, 24), torch.bfloat16)
+    got.run(impl.ops.rotary_and_write_kv, _delta(got.widths, torch.bfloat16, seed=6), **impl.config("heads"))
+    plain.run(impl.ops.rotary_and_write_kv)
     base_slots = got.slot_mapping[BASE_ROWS]
     assert torch.equal(got.qkv[BASE_ROWS], plain.qkv[BASE_ROWS])
     for a, b in [(got.k_cache, plain.k_cache), (got.v_cache, plain.v_cache)]:
@@ -247,21 +201,12 @@ def test_the_torch_silu_and_mul_takes_a_delta_on_segment_metadata():
 
 
 def test_the_torch_rotary_and_write_kv_takes_a_delta_on_segment_metadata():
-    shape = (4, 2, 16)
-    got, want = _rotary_case(shape, torch.float32), _rotary_case(shape, torch.float32)
-    tokens = len(SEGMENT_SLOTS)
-    for case in (got, want):  # the tiny case's tensors at the segment step's token count
-        case.qkv = torch.randn(tokens, case.qkv.shape[1], generator=torch.Generator().manual_seed(5)).to(DEVICE)
-        case.positions = torch.arange(tokens, device=DEVICE) % 64
-        case.k_cache = torch.full((tokens // BLOCK_SIZE + 1, BLOCK_SIZE, 2, 16), float("nan"), device=DEVICE)
-        case.v_cache = case.k_cache.clone()
-        slots = torch.randperm(case.k_cache.shape[0] * BLOCK_SIZE, generator=torch.Generator().manual_seed(6))
-        case.slot_mapping = slots[:tokens].to(DEVICE)
-    lora = exact_delta(SEGMENT_SLOTS, [64, 32, 32], RANK, torch.float32, seed=6, device=DEVICE, block_m=64)
-    got.run(fused_torch, lora)
+    got, want = (RotaryCase.random((4, 2, 16), len(SEGMENT_SLOTS), torch.float32, DEVICE) for _ in range(2))
+    lora = exact_delta(SEGMENT_SLOTS, got.widths, RANK, torch.float32, seed=6, device=DEVICE, block_m=64)
+    got.run(fused_torch.rotary_and_write_kv, lora)
     want.qkv.copy_(_float64_expanded(want.qkv, lora))
-    want.run(fused_torch, None)
-    for a, b in [(got.qkv, want.qkv), (got.k_cache, want.k_cache), (got.v_cache, want.v_cache)]:
+    want.run(fused_torch.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
         same(a, b)
 
 
@@ -306,14 +251,4 @@ def test_captured_fused_ops_with_lora_replay_with_the_next_steps_slots_and_h():
         return (*fused_triton.add_rms_norm(x, residual, weight, EPS, lora),
                 fused_triton.silu_and_mul(gate_up, gate_up_lora))
 
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    next_slots = torch.tensor(list(reversed(SLOTS)), dtype=torch.int32, device=DEVICE)
-    prepare_lora_metadata(next_slots, NUM_SLOTS, out=lora.meta)
-    for d in (lora, gate_up_lora):
-        d.h.copy_(d.h.flip(1))
-    graph.replay()
-    for got, want in zip(captured, step()):
-        same(got, want)
+    replays_the_next_step(step, [lora, gate_up_lora], slots_tensor(list(reversed(SLOTS)), DEVICE))

@@ -18,11 +18,14 @@ import torch
 
 from kernels import LoRADelta, lora_tuning
 from tests.kernels.lora_cases import (
+    HEAD_SHAPES,
     NUM_SLOTS,
+    RotaryCase,
     exact_delta,
     expand_reference,
     random_weights,
     record_calls,
+    replays_the_next_step,
     same,
     slots_tensor,
     triton_runs_in_process,
@@ -202,60 +205,6 @@ def test_tiled_add_rms_norm_leaves_x_unchanged():
 
 # rotary_and_write_kv
 
-CACHE_BLOCK_SIZE = 4
-
-
-@dataclass
-class RotaryCase:
-    """q/k/v views of one qkv row buffer, rotary tables, NaN-poisoned caches and their slots."""
-
-    shape: tuple[int, int, int]
-    qkv: torch.Tensor
-    cos: torch.Tensor
-    sin: torch.Tensor
-    positions: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    slot_mapping: torch.Tensor
-
-    @classmethod
-    def random(cls, shape: tuple[int, int, int], tokens: int, dtype: torch.dtype) -> RotaryCase:
-        heads, kv_heads, dim = shape
-        gen = torch.Generator().manual_seed(5)
-        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
-        freqs = torch.outer(torch.arange(64.0), 1.0 / 100 ** (torch.arange(0, dim, 2) / dim))
-        emb = torch.cat((freqs, freqs), dim=-1).to(DEVICE, torch.float64 if dtype == torch.float64 else torch.float32)
-        blocks = tokens // CACHE_BLOCK_SIZE + 2
-        cache = torch.full((blocks, CACHE_BLOCK_SIZE, kv_heads, dim), float("nan"), dtype=dtype, device=DEVICE)
-        return cls(shape, qkv, emb.cos(), emb.sin(), torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE), cache,
-                   cache.clone(), torch.randperm(blocks * CACHE_BLOCK_SIZE, generator=gen)[:tokens].to(DEVICE))
-
-    @property
-    def widths(self) -> list[int]:
-        heads, kv_heads, dim = self.shape
-        return [heads * dim, kv_heads * dim, kv_heads * dim]
-
-    def to(self, dtype: torch.dtype) -> RotaryCase:
-        return RotaryCase(self.shape, self.qkv.to(dtype), self.cos.to(dtype), self.sin.to(dtype), self.positions,
-                          self.k_cache.to(dtype), self.v_cache.to(dtype), self.slot_mapping)
-
-    def run(self, op, lora: LoRADelta | None = None, **config) -> None:
-        heads, kv_heads, dim = self.shape
-        q, k, v = self.qkv.split(self.widths, dim=-1)
-        tokens = self.qkv.shape[0]
-        views = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
-        lora_args = () if lora is None else (lora,)
-        op(*views, self.cos, self.sin, self.positions, self.k_cache, self.v_cache, self.slot_mapping, *lora_args,
-           **config)
-
-    def outputs(self) -> list[torch.Tensor]:
-        return [self.qkv, self.k_cache, self.v_cache]
-
-
-# (heads, kv_heads, head_dim): the tiny test models, and head counts and half widths that need padding
-HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
-
-
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, dtype):
@@ -263,8 +212,8 @@ def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, d
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_triton
 
-    got = RotaryCase.random(shape, len(slots), dtype)
-    want = RotaryCase.random(shape, len(slots), dtype)
+    got = RotaryCase.random(shape, len(slots), dtype, DEVICE)
+    want = RotaryCase.random(shape, len(slots), dtype, DEVICE)
     lora = exact_delta(slots, got.widths, launch.rank, dtype, seed=6, device=DEVICE, block_m=launch.block_m)
     got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
     want.qkv.copy_(_expanded(want.qkv, lora))
@@ -278,7 +227,7 @@ def test_tiled_rotary_and_write_kv_matches_float64(launch):
     from kernels import fused_torch
 
     slots = PATTERNS["unsorted_mixed"]
-    got = RotaryCase.random((6, 3, 24), len(slots), torch.float32)
+    got = RotaryCase.random((6, 3, 24), len(slots), torch.float32, DEVICE)
     want = got.to(torch.float64)
     lora = _random_delta(slots, got.widths, launch.rank, launch.block_m)
     got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
@@ -308,8 +257,7 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
     got = fused_triton.add_rms_norm(x, residual, weight, EPS, lora)[1]
     torch.testing.assert_close(got, fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)[1],
                                rtol=0, atol=0)
-    got, want = RotaryCase.random((4, 2, 16), num_tokens, torch.float32), RotaryCase.random((4, 2, 16), num_tokens,
-                                                                                             torch.float32)
+    got, want = (RotaryCase.random((4, 2, 16), num_tokens, torch.float32, DEVICE) for _ in range(2))
     lora = exact_delta(slots, got.widths, 8, torch.float32, seed=6, device=DEVICE)
     got.run(fused_triton.rotary_and_write_kv, lora)
     want.qkv.copy_(_expanded(want.qkv, lora))
@@ -323,7 +271,7 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_tiled_ops_replay_with_the_next_steps_slots_and_h():
     """The tiled kernels read the tiles and h from device tensors: a graph replays with what the next step wrote."""
-    from kernels import fused_triton, prepare_lora_metadata
+    from kernels import fused_triton
 
     slots = PATTERNS["unsorted_mixed"] * 3  # 156 tokens: the segment path
     x, residual, weight = _norm_inputs(slots, torch.bfloat16, True)
@@ -336,13 +284,4 @@ def test_captured_tiled_ops_replay_with_the_next_steps_slots_and_h():
         return (*fused_triton.add_rms_norm(x, residual, weight, EPS, norm_lora),
                 fused_triton.silu_and_mul(gate_up, silu_lora))
 
-    step()  # compile outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
-    prepare_lora_metadata(slots_tensor(list(reversed(slots)), DEVICE), NUM_SLOTS, out=norm_lora.meta)
-    for delta in (norm_lora, silu_lora):
-        delta.h.copy_(delta.h.flip(1))
-    graph.replay()
-    for got, want in zip(captured, step()):
-        same(got, want)
+    replays_the_next_step(step, [norm_lora, silu_lora], slots_tensor(list(reversed(slots)), DEVICE))
