@@ -28,9 +28,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import kernels  # noqa: E402
-from benchmarks.lora_kernels import LLAMA3_8B, NUM_SLOTS, SMOKE, Group, Weights, assign_slots, rand  # noqa: E402
-from benchmarks.timing import graph_time_us  # noqa: E402
+import kernels
+from benchmarks.lora_kernels import (
+    LLAMA3_8B,
+    NUM_SLOTS,
+    SMOKE,
+    Group,
+    Weights,
+    assign_slots,
+    rand,
+)
+from benchmarks.timing import graph_time_us
 
 RANK = 16
 
