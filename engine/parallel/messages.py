@@ -27,6 +27,8 @@ class Step:
     num_decode: int
     lora_slots: np.ndarray | None  # per token, -1 = base model; None when no token uses an adapter
     num_lora_slots: int
+    # the fused ops the driver's step folds the LoRA expands into (LoRAStep.fold_into): every rank folds alike
+    lora_fold_into: frozenset[str]
     num_kv_blocks: int
     block_size: int
     # the Triton prefill attention's plan (tiles, sequences, block_q), made once per step on the driver
@@ -93,6 +95,7 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         context_lens=_numpy(attn.context_lens), query_lens=list(attn.query_lens), num_decode=attn.num_decode,
         lora_slots=None if lora is None else _numpy(lora.meta.slots[:lora.meta.num_tokens]),
         num_lora_slots=0 if lora is None else lora.meta.num_slots,
+        lora_fold_into=frozenset() if lora is None else lora.fold_into,
         num_kv_blocks=num_blocks, block_size=block_size,
         prefill=None if attn.prefill is None else (_numpy(attn.prefill.tiles), _numpy(attn.prefill.sequences),
                                                    attn.prefill.block_q),
@@ -107,10 +110,9 @@ def decode_step(message: Step, device: torch.device) -> StepInput:
     lora = None
     if message.lora_slots is not None:
         import kernels
-        from kernels import lora_tuning
 
         lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots),
-                        fold_into=lora_tuning.folded_ops(len(message.lora_slots)))
+                        fold_into=message.lora_fold_into)
     prefill = None
     if message.prefill is not None:
         from kernels.prefill_attention_triton import PrefillPlan

@@ -182,6 +182,7 @@ def test_bf16_on_two_gpus_matches_one_gpu(tiny_llama, llama_adapters):
         assert got == pytest.approx(want, rel=5e-2, abs=5e-2)  # bf16: about 2^-8 per rounding
     sharded_llm.engine.close()
 
+
 def test_a_steps_prefill_plan_reaches_the_workers_as_built():
     from engine.parallel.messages import decode_step, encode_step
     from engine.step_input import AttentionMetadata, StepInput
@@ -196,3 +197,22 @@ def test_a_steps_prefill_plan_reaches_the_workers_as_built():
     received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).attention.prefill
     assert torch.equal(received.tiles, plan.tiles) and torch.equal(received.sequences, plan.sequences)
     assert received.block_q == plan.block_q
+
+
+def test_a_steps_fold_choice_reaches_the_workers_as_the_driver_made_it():
+    import kernels
+    from engine.parallel.messages import decode_step, encode_step
+    from engine.step_input import AttentionMetadata, LoRAStep, StepInput
+
+    tokens = torch.arange(4)
+    fold_into = frozenset({"silu_and_mul"})
+    lora = LoRAStep(kernels.prepare_lora_metadata(torch.tensor([0, -1, 1, 0], dtype=torch.int32), 2),
+                    fold_into=fold_into)
+    step = StepInput(tokens, tokens, AttentionMetadata(
+        slot_mapping=tokens, block_tables=torch.zeros(4, 1, dtype=torch.long),
+        context_lens=torch.ones(4, dtype=torch.long), query_lens=[1] * 4, context_lens_list=[1] * 4, num_decode=4),
+        lora=lora)
+    kv_caches = [(torch.zeros(8, 16, 1, 4), torch.zeros(8, 16, 1, 4))]
+    received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).lora
+    assert received.fold_into == fold_into
+    assert torch.equal(received.meta.slots[:4], lora.meta.slots[:4])
