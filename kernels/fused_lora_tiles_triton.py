@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_tile, dot_f32, slot_stacks
 
@@ -67,18 +68,21 @@ def _tile_args(lora: LoRADelta) -> tuple:
             *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
 
 
+def _rows_per_program(lora: LoRADelta, config: LoRATileConfig) -> int:
+    block_m = lora.meta.block_m
+    return min(config.rows or block_m, block_m)
+
+
 def _launch(lora: LoRADelta, config: LoRATileConfig) -> dict:
     """The constexprs and launch options every tiled kernel takes: rows per program, rank, rank block."""
-    block_m = lora.meta.block_m
-    return {"R": lora.rank, "ROWS": min(config.rows or block_m, block_m),
+    return {"R": lora.rank, "ROWS": _rows_per_program(lora, config),
             "BLOCK_R": max(MIN_BLOCK_R, min(config.block_r, triton.next_power_of_2(lora.rank))),
             "DOT_F32": dot_f32(lora.b_slices[0].dtype), "num_warps": config.num_warps,
             "num_stages": config.num_stages}
 
 
 def _row_blocks(lora: LoRADelta, config: LoRATileConfig) -> int:
-    block_m = lora.meta.block_m
-    return block_m // min(config.rows or block_m, block_m)
+    return lora.meta.block_m // _rows_per_program(lora, config)
 
 
 @triton.jit
@@ -122,10 +126,7 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
                                 col_mask, R, ROWS, BLOCK_R, DOT_F32)
         up = _plus_delta_tile(up, h_rows + stride_hn, in_use, b_up_ptr + slot.to(tl.int64) * stride_bs_up, cols,
                               col_mask, R, ROWS, BLOCK_R, DOT_F32)
-    g = gate.to(tl.float32)
-    activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-             (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype), mask=mask)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None,
@@ -181,9 +182,7 @@ def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
         mask = in_use[:, None] & (cols < n)[None, :]
         x = tl.load(res_out_ptr + rows[:, None] * stride_res_out + cols[None, :], mask=mask, other=0.0)
         w = tl.load(w_ptr + cols, mask=cols < n, other=0.0)[None, :]
-        normed = (x.to(tl.float32) * rstd).to(x.dtype)
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :],
-                 (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
+        store_normed(out_ptr + rows[:, None] * stride_out + cols[None, :], x, rstd, w, mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, lora: LoRADelta,
@@ -217,23 +216,6 @@ def _halves_plus_delta(base, mask, h_rows, in_use, b_ptr, cols, col_mask, slot, 
         x1 = _plus_delta_tile(x1, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
         x2 = _plus_delta_tile(x2, h_rows, in_use, b_ptr, cols + HALF, col_mask, R, ROWS, BLOCK_R, DOT_F32)
     return x1, x2
-
-
-@triton.jit
-def _store_rotated(base, x1, x2, cos, sin, mask, HALF: tl.constexpr):
-    """Rotate the halves x1, x2 (each result rounded to their dtype), store them at `base` and `base + HALF` and
-    return them."""
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    y1, y2 = (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
-    tl.store(base, y1, mask=mask)
-    tl.store(base + HALF, y2, mask=mask)
-    return y1, y2
-
-
-@triton.jit
-def _store_cache(cache_ptr, row_offsets, x1, x2, mask, HALF: tl.constexpr):
-    tl.store(cache_ptr + row_offsets, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(cache_ptr + row_offsets + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 # positions and KV slots: not specialized on alignment (see `fused_triton._rotary_and_write_kv_kernel`)
@@ -271,7 +253,8 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
         base = q_ptr + rows[:, None] * stride_qt + (head * stride_qh + dims)[None, :]
         x1, x2 = _halves_plus_delta(base, mask, h_rows, in_use, bq_ptr + adapter * sbq, head * (2 * HALF) + dims,
                                     col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
-        _store_rotated(base, x1, x2, cos, sin, mask, HALF)
+        y1, y2 = rotated(x1, x2, cos, sin)
+        store_halves(base, y1, y2, mask, HALF)
     elif j < q_programs + kv_programs:
         head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
         col_mask = (head < kv_heads) & in_half
@@ -279,8 +262,9 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
         base = k_ptr + rows[:, None] * stride_kt + (head * stride_kh + dims)[None, :]
         x1, x2 = _halves_plus_delta(base, mask, h_rows + stride_hn, in_use, bk_ptr + adapter * sbk,
                                     head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
-        y1, y2 = _store_rotated(base, x1, x2, cos, sin, mask, HALF)
-        _store_cache(k_cache_ptr, cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
+        y1, y2 = rotated(x1, x2, cos, sin)
+        store_halves(base, y1, y2, mask, HALF)
+        store_halves(k_cache_ptr + cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
                      y1, y2, mask, HALF)
     else:
         head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
@@ -290,9 +274,8 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
         x1, x2 = _halves_plus_delta(base, mask, h_rows + 2 * stride_hn, in_use, bv_ptr + adapter * sbv,
                                     head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
         if slot >= 0:
-            tl.store(base, x1, mask=mask)
-            tl.store(base + HALF, x2, mask=mask)
-        _store_cache(v_cache_ptr, cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
+            store_halves(base, x1, x2, mask, HALF)
+        store_halves(v_cache_ptr + cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
                      x1, x2, mask, HALF)
 
 

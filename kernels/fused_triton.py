@@ -20,9 +20,10 @@ import triton
 import triton.language as tl
 
 from kernels import fused_lora_tiles_triton as tiles
+from kernels import lora_tuning
+from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_rows, slot_stacks
-from kernels import lora_tuning
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -110,13 +111,6 @@ def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter,
 
 
 @triton.jit
-def _store_normed(out_ptrs, x, rstd, w, mask):
-    """w * (x * rstd, rounded to x's dtype), rounded, stored."""
-    normed = (x.to(tl.float32) * rstd).to(x.dtype)
-    tl.store(out_ptrs, (w.to(tl.float32) * normed.to(tl.float32)).to(x.dtype), mask=mask)
-
-
-@triton.jit
 def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                            stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_ht,
                            HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -138,7 +132,7 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         h = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
-        _store_normed(out_ptr + row * stride_out + cols, x, rstd, w, mask)
+        store_normed(out_ptr + row * stride_out + cols, x, rstd, w, mask)
     else:
         squares = tl.zeros([CHUNK], dtype=tl.float32)
         for c0 in range(0, n, CHUNK):
@@ -156,7 +150,7 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
             mask = cols < n
             x = _row_chunk(res_out_ptr, row, stride_res_out, cols, mask)
             w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-            _store_normed(out_ptr + row * stride_out + cols, x, rstd, w, mask)
+            store_normed(out_ptr + row * stride_out + cols, x, rstd, w, mask)
 
 
 @triton.jit
@@ -233,10 +227,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
             if adapter >= 0:
                 gate = _plus_delta(gate, b_gate_ptr, cols, mask, h_row, R, BLOCK_R)
                 up = _plus_delta(up, b_up_ptr, cols, mask, h_row + stride_hn, R, BLOCK_R)
-        g = gate.to(tl.float32)
-        activated = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
-        tl.store(out_ptr + row * stride_out + cols, (activated.to(tl.float32) * up.to(tl.float32)).to(gate.dtype),
-                 mask=mask)
+        tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None,
@@ -264,16 +255,9 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config
 
 
 @triton.jit
-def _rotated(x1, x2, cos, sin):
-    """The rotary embedding of the halves x1, x2, each rounded to their dtype."""
-    a, b = x1.to(tl.float32), x2.to(tl.float32)
-    return (a * cos - b * sin).to(x1.dtype), (b * cos + a * sin).to(x1.dtype)
-
-
-@triton.jit
 def _rotate(base, cos, sin, mask, HALF: tl.constexpr):
     """Rotate the [heads, D] rows at `base` in place; returns their rotated halves in the tensor's dtype."""
-    y1, y2 = _rotated(tl.load(base, mask=mask, other=0.0), tl.load(base + HALF, mask=mask, other=0.0), cos, sin)
+    y1, y2 = rotated(tl.load(base, mask=mask, other=0.0), tl.load(base + HALF, mask=mask, other=0.0), cos, sin)
     tl.store(base, y1, mask=mask)
     tl.store(base + HALF, y2, mask=mask)
     return y1, y2
@@ -289,14 +273,6 @@ def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.const
         x1 = _plus_delta(x1, b_ptr, cols, mask, h_row, R, BLOCK_R)
         x2 = _plus_delta(x2, b_ptr, cols + HALF, mask, h_row, R, BLOCK_R)
     return x1, x2
-
-
-@triton.jit
-def _store_halves(base, x1, x2, mask, HALF: tl.constexpr):
-    """Store two halves at `base` and `base + HALF`, converted to the pointer's dtype (a cache's; in place, the
-    tensor's own)."""
-    tl.store(base, x1.to(base.dtype.element_ty), mask=mask)
-    tl.store(base + HALF, x2.to(base.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -323,17 +299,17 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         base = q_ptr + token * stride_qt + head * stride_qh + dims
         x1, x2 = _load_halves_plus_delta(base, mask, bq_ptr + adapter.to(tl.int64) * sbq, head * (2 * HALF) + dims,
                                          h_row, adapter, R, HALF, BLOCK_R)
-        y1, y2 = _rotated(x1, x2, cos, sin)
-        _store_halves(base, y1, y2, mask, HALF)
+        y1, y2 = rotated(x1, x2, cos, sin)
+        store_halves(base, y1, y2, mask, HALF)
     elif j < q_programs + kv_programs:
         head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
         mask = (head < kv_heads) & in_half
         base = k_ptr + token * stride_kt + head * stride_kh + dims
         x1, x2 = _load_halves_plus_delta(base, mask, bk_ptr + adapter.to(tl.int64) * sbk, head * (2 * HALF) + dims,
                                          h_row + stride_hn, adapter, R, HALF, BLOCK_R)
-        y1, y2 = _rotated(x1, x2, cos, sin)
-        _store_halves(base, y1, y2, mask, HALF)
-        _store_halves(k_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, y1, y2, mask, HALF)
+        y1, y2 = rotated(x1, x2, cos, sin)
+        store_halves(base, y1, y2, mask, HALF)
+        store_halves(k_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, y1, y2, mask, HALF)
     else:
         head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
         mask = (head < kv_heads) & in_half
@@ -341,8 +317,8 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         x1, x2 = _load_halves_plus_delta(base, mask, bv_ptr + adapter.to(tl.int64) * sbv, head * (2 * HALF) + dims,
                                          h_row + 2 * stride_hn, adapter, R, HALF, BLOCK_R)
         if adapter >= 0:
-            _store_halves(base, x1, x2, mask, HALF)
-        _store_halves(v_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, x1, x2, mask, HALF)
+            store_halves(base, x1, x2, mask, HALF)
+        store_halves(v_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, x1, x2, mask, HALF)
 
 
 # positions and KV slots are views into an eager step's packed inputs, 16-byte aligned only for an even token
