@@ -127,8 +127,11 @@ class ModelRunner:
         pieces of a bucket (attention launched between them)."""
         if all(item.num_new_tokens == 1 for item in scheduled):
             return self.replays_graph(len(scheduled))
-        num_tokens = sum(item.num_new_tokens for item in scheduled)
-        return self.piecewise is not None and self.piecewise.bucket(num_tokens) is not None
+        return self._piecewise_bucket(sum(item.num_new_tokens for item in scheduled)) is not None
+
+    def _piecewise_bucket(self, num_tokens: int) -> int | None:
+        """The token count a mixed step of `num_tokens` replays the pieces of, or None when it runs eagerly."""
+        return None if self.piecewise is None else self.piecewise.bucket(num_tokens)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],
@@ -137,7 +140,7 @@ class ModelRunner:
         the sequences' token_ids (which hold placeholders for them)."""
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
         num_tokens = sum(item.num_new_tokens for item in scheduled)
-        bucket = None if decode_only or self.piecewise is None else self.piecewise.bucket(num_tokens)
+        bucket = None if decode_only else self._piecewise_bucket(num_tokens)
         if device_tokens is not None and not decode_only:
             raise ValueError("input ids on the device need a decode-only step")
         if decode_only and self.replays_graph(len(scheduled)):
