@@ -221,21 +221,27 @@ def test_an_admitting_step_whose_prompts_all_end_in_it_stays_in_flight(engines, 
     assert r.overlapped_steps == 6
 
 
-def test_a_request_arriving_mid_run_is_admitted_in_a_step_that_stays_in_flight(engines, monkeypatch):
-    sync, overlapped = engines
-    launched = _admitting_steps_left_in_flight(overlapped, monkeypatch)
+def _second_request_mid_run(engines, monkeypatch, first: tuple, steps: int, second: tuple) -> Run:
+    """Each engine runs `first` (prompt, params) for `steps` steps, is given `second`, and runs to the end: both
+    give the same outputs, streamed consistently, and keep nothing. The overlapping engine's run."""
     finals = []
-    for engine in (sync, overlapped):
+    for engine in engines:
         r = Run(engine, monkeypatch)
-        first = r.add(PROMPTS[1], greedy(12))
-        for _ in range(3):
+        first_id = r.add(*first)
+        for _ in range(steps):
             r.step()
-        second = r.add(PROMPTS[4], greedy(6))
+        second_id = r.add(*second)
         r.to_end()
-        finals.append([r.final[first], r.final[second]])
+        finals.append([r.final[first_id], r.final[second_id]])
         assert_streams_consistent(r)
         assert_nothing_left(engine)
     assert_same(*finals)
+    return r
+
+
+def test_a_request_arriving_mid_run_is_admitted_in_a_step_that_stays_in_flight(engines, monkeypatch):
+    launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
+    _second_request_mid_run(engines, monkeypatch, (PROMPTS[1], greedy(12)), 3, (PROMPTS[4], greedy(6)))
     assert len(launched) == 2
 
 
@@ -291,19 +297,7 @@ def test_steps_overlap_once_min_tokens_are_out(engines, monkeypatch):
 
 
 def test_requests_added_while_a_step_is_in_flight_match_sync_mode(engines, monkeypatch):
-    sync, overlapped = engines
-    finals = []
-    for engine in (sync, overlapped):
-        r = Run(engine, monkeypatch)
-        first = r.add(PROMPTS[1], greedy(16))
-        for _ in range(4):
-            r.step()
-        second = r.add(PROMPTS[2], greedy(8))
-        r.to_end()
-        finals.append([r.final[first], r.final[second]])
-        assert_streams_consistent(r)
-        assert_nothing_left(engine)
-    assert_same(*finals)
+    r = _second_request_mid_run(engines, monkeypatch, (PROMPTS[1], greedy(16)), 4, (PROMPTS[2], greedy(8)))
     assert r.overlapped_steps > 0
 
 
