@@ -156,10 +156,12 @@ class Scenario:
         return f"r{self.rank} T{self.tokens} A{self.adapters}"
 
 
-def assign_slots(tokens: int, adapters: int) -> torch.Tensor:
-    """Tokens spread evenly over `adapters` slots, in shuffled order (never pre-sorted)."""
+def assign_slots(tokens: int, adapters: int, in_slot_order: bool = False) -> torch.Tensor:
+    """Tokens spread evenly over `adapters` slots, in shuffled order, or sorted by slot (so that the per-token
+    kernels' neighbouring programs share an adapter)."""
     slots = torch.arange(tokens, device=DEVICE) % adapters
-    return slots[torch.randperm(tokens, device=DEVICE)].to(torch.int32)
+    slots = slots[torch.randperm(tokens, device=DEVICE)]
+    return (slots.sort().values if in_slot_order else slots).to(torch.int32)
 
 
 # ---------------------------------------------------------------- bytes
@@ -208,8 +210,9 @@ class Result:
 
 
 class Bench:
-    def __init__(self, groups: tuple[Group, ...], timer: Timer, bandwidth: float) -> None:
+    def __init__(self, groups: tuple[Group, ...], timer: Timer, bandwidth: float, in_slot_order: bool = False) -> None:
         self.groups = groups
+        self.in_slot_order = in_slot_order
         self.timer = timer
         self.bandwidth = bandwidth
         self.weights: dict[int, Weights] = {}
@@ -229,7 +232,7 @@ class Bench:
 
     def buffers(self, sc: Scenario, block_m: int | None = None):
         meta = prepare_lora_metadata(
-            assign_slots(sc.tokens, sc.adapters), NUM_SLOTS,
+            assign_slots(sc.tokens, sc.adapters, self.in_slot_order), NUM_SLOTS,
             out=LoRAMetadata.empty(sc.tokens, NUM_SLOTS, DEVICE, block_m=block_m),
         )
         xs = {g.name: rand(sc.tokens, g.k) for g in self.groups}
@@ -469,6 +472,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=420.0, help="stop starting new scenarios after this")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script without a GPU")
+    parser.add_argument("--in-slot-order", action="store_true",
+                        help="tokens sorted by adapter slot instead of shuffled")
     args = parser.parse_args()
     began = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -483,7 +488,7 @@ def main() -> None:
     bandwidth = measure_bandwidth(DEVICE)
     meta["bandwidth_tbs"] = bandwidth / 1e12
     print(f"{meta['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth)
+    bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth, args.in_slot_order)
     sweep_log: list = []
     if args.sweep is not None:
         try:
