@@ -145,9 +145,11 @@ def tiled_decode_ops(num_tokens: int, lora_slots: Iterable[int]) -> frozenset[st
     ops = tileable_decode_ops(num_tokens)
     if not ops:
         return ops
-    adapter_rows = [slot for slot in lora_slots if slot >= 0]
-    distinct = len(set(adapter_rows))
-    if distinct == 0 or len(adapter_rows) < DECODE_TILES_MIN_ROWS_PER_ADAPTER * distinct:
+    slots = lora_slots if isinstance(lora_slots, list) else list(lora_slots)
+    adapters = set(slots)  # set and count: a step's host work, kept to C loops
+    adapters.discard(-1)
+    adapter_rows = len(slots) - slots.count(-1)
+    if not adapters or adapter_rows < DECODE_TILES_MIN_ROWS_PER_ADAPTER * len(adapters):
         return frozenset()
     return ops
 
