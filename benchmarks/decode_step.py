@@ -1,6 +1,8 @@
 """Decode-step time against its bytes floor on the GPU, for the base model and for rows spread over 64 (or
 other counts of) adapters, at a few batch sizes: the wall time of steps back to back, the GPU time of their parts, and how long the host
-waits for the GPU. A shorter companion of `serving.py` for comparing decode-path changes.
+waits for the GPU. A shorter companion of `serving.py` for comparing decode-path changes. Each row names the
+LoRA folds its graph handed to the fused ops' tiled variants; `LORASERVE_LORA_DECODE_TILES=0` measures the steps
+without them.
 
     python3 benchmarks/decode_step.py --out DIR
 """
@@ -20,6 +22,7 @@ from benchmarks.serving import (  # noqa: E402
 )
 from engine import LoRARequest  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
+from kernels import lora_tuning  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +46,7 @@ def main() -> None:
     model_dir = make_model_dir(Path(args.work), args.shape)
     paths = make_adapters(Path(args.work) / f"adapters-{args.shape}", model_dir, args.shape, 64, 16)
     bandwidth = measure_bandwidth("cuda")
-    results: dict = {"bandwidth_tbs": bandwidth / 1e12, "rows": []}
+    results: dict = {"bandwidth_tbs": bandwidth / 1e12, "decode_tiles": lora_tuning.decode_tiles(), "rows": []}
 
     def measure(label: str, engine, loras_for) -> None:
         for batch in args.batches:
@@ -61,7 +64,8 @@ def main() -> None:
             print(f"{label:12} b{batch:<4} wall {row['step_wall_ms']:.2f} ms  graph {row['graph_replay_ms']:.2f}  "
                   f"head+greedy {row['lm_head_and_greedy_ms']:.2f}  host waits {row['host_wait_ms']:.2f}  "
                   f"floor {row['floor_ms']:.2f}  "
-                  f"x{row['over_floor']:.3f}  ({time.perf_counter() - t:.0f} s)", flush=True)
+                  f"x{row['over_floor']:.3f}  tiled {','.join(row['tiled_folds']) or '-'}  "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
             (args.out / "decode_step.json").write_text(json.dumps(results, indent=1))
 
     if "base" in args.cases:

@@ -282,13 +282,15 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
     engine.drain()  # the running sequences' last tokens are real again (async scheduling leaves one in flight)
     if profile_to is not None:
         profile_to.write_text(_step_profiles(engine))
+    # the graph the steps replayed: it depends on the rows' adapter slots (`lora_tuning.tiled_decode_ops`)
+    slots = [engine.lora_manager.slot_for(lora) if engine.lora_manager else -1 for lora in loras]
     for request_id in list(engine.requests):
         engine.abort(request_id)
     # GPU busy time of one step: 20 replays of the captured graph back to back, then 20 steps of replay,
     # LM head and greedy choice (outside the graph) back to back. Timing each step between syncs instead
     # would add the device's start-up after idling to every one.
     graphs = engine.runner.graphs
-    key = graphs.key(batch_size, [-1 if lora is None else 0 for lora in loras])
+    key = graphs.key(batch_size, slots)
 
     def gpu_ms(step) -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -307,7 +309,8 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[key][:batch_size]))
 
     graph_ms, step_ms = gpu_ms(graphs.graphs[key].replay), gpu_ms(full_step)
-    return dict(batch=batch_size, context=context, step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
+    return dict(batch=batch_size, context=context, tiled_folds=sorted(key.tiled_folds),
+                step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
                 lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms),
                 host_wait_ms=1e3 * sum(waits) / steps)
 

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (two with adapter slots).
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket (two or three with adapter slots).
 
 Every input the layers read lives in static buffers (token ids, positions, KV slots, block
 tables, context lengths, adapter slots); a step copies its values in and replays the graph of
@@ -8,13 +8,17 @@ each bucket is captured twice, with the LoRA work and without it, and a step in 
 adapter replays the second (vLLM's `cudagraph_specialize_lora`): base-model traffic on a LoRA server
 does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink
 beside its base matmul; each expand is left to the fused op after it where `lora_tuning.folded_ops` says
-(`LORASERVE_LORA_FOLD=0` turns that off); buckets of CUBLASLT_TOKENS are captured with cuBLASLt
+(`LORASERVE_LORA_FOLD=0` turns that off). Buckets where some fold can take the fused op's tiled variant
+(`lora_tuning.tileable_decode_ops`: from 32 rows) are captured a third time with it, and a step whose rows
+share few adapters replays that one (`lora_tuning.tiled_decode_ops`, chosen on the host from the step's
+slots; `LORASERVE_LORA_DECODE_TILES=0` turns it off). Buckets of CUBLASLT_TOKENS are captured with cuBLASLt
 preferred.
 """
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -57,11 +61,36 @@ def smallest_bucket(buckets: list[int], batch: int) -> int:
     return next(b for b in buckets if b >= batch)
 
 
-def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
+class GraphKey(NamedTuple):
+    """Which decode graph: its bucket, whether it does the LoRA work, and the LoRA folds it hands to the fused
+    ops' tiled variants (`LoRAStep.tiled_folds`)."""
+
+    bucket: int
+    with_lora: bool
+    tiled_folds: frozenset[str] = frozenset()
+
+
+def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int]) -> GraphKey:
     """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
-    bucket that holds it, and whether the graph does the LoRA work (there are adapter slots and some row
-    uses one)."""
-    return smallest_bucket(buckets, batch), num_lora_slots > 0 and max(lora_slots, default=-1) >= 0
+    bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
+    uses one), and the folds that take the tiled variants in a bucket of that size with these rows
+    (`lora_tuning.tiled_decode_ops`)."""
+    bucket = smallest_bucket(buckets, batch)
+    if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
+        return GraphKey(bucket, False)
+    return GraphKey(bucket, True, lora_tuning.tiled_decode_ops(bucket, lora_slots))
+
+
+def bucket_keys(bucket: int, num_lora_slots: int) -> list[GraphKey]:
+    """The graphs captured for a bucket: without the LoRA work; with adapter slots also with it, and with it
+    and the tiled folds where a step of that size can take them (`lora_tuning.tileable_decode_ops`)."""
+    keys = [GraphKey(bucket, False)]
+    if num_lora_slots:
+        keys.append(GraphKey(bucket, True))
+        tileable = lora_tuning.tileable_decode_ops(bucket)
+        if tileable:
+            keys.append(GraphKey(bucket, True, tileable))
+    return keys
 
 
 class StagedBlockTables:
@@ -116,41 +145,41 @@ class DecodeGraphs:
         # recorded after each step's copies: the staging is rewritten only once they are done (with
         # async scheduling the host can get here before the GPU reaches the last step's copies)
         self._copied = torch.cuda.Event()
-        # keyed by (bucket, whether the graph does the LoRA work)
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+        self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[GraphKey, torch.Tensor] = {}
         self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
         self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots else None
         self._capture_all()
 
-    def _step_input(self, size: int, with_lora: bool) -> StepInput:
+    def _step_input(self, key: GraphKey) -> StepInput:
+        size = key.bucket
         attention = AttentionMetadata(
             slot_mapping=self.slot_mapping[:size], block_tables=self.block_tables[:size],
             context_lens=self.context_lens[:size], query_lens=[1] * size, context_lens_list=[1] * size,
             num_decode=size,
         )
         lora = None
-        if with_lora:
+        if key.with_lora:
             # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
             # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV, the path 128 took
             # then) 10.93 against 10.79
             per_token = lora_tuning.choose_path(size) == "bgmv"
             lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if per_token else None,
-                            fold_into=lora_tuning.folded_ops(size))
+                            fold_into=lora_tuning.folded_ops(size), tiled_folds=key.tiled_folds)
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:
         pool = torch.cuda.graph_pool_handle()
-        variants = (True, False) if self.num_lora_slots else (False,)
         for size in reversed(self.buckets):
             if self.num_lora_slots:
                 self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
-            for with_lora in variants:
-                self._capture(size, with_lora, pool)
+            for key in reversed(bucket_keys(size, self.num_lora_slots)):
+                self._capture(key, pool)
         torch.cuda.synchronize()
 
-    def _capture(self, size: int, with_lora: bool, pool) -> None:
-        step = self._step_input(size, with_lora)
+    def _capture(self, key: GraphKey, pool) -> None:
+        size, with_lora = key.bucket, key.with_lora
+        step = self._step_input(key)
         with torch.inference_mode(), preferred_blas_for(size):
             if with_lora:
                 self._prepare_lora(size)
@@ -160,8 +189,8 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=pool):
                 if with_lora:
                     self._prepare_lora(size)
-                self.outputs[(size, with_lora)] = self.model(step, self.kv_caches)
-        self.graphs[(size, with_lora)] = graph
+                self.outputs[key] = self.model(step, self.kv_caches)
+        self.graphs[key] = graph
 
     def _prepare_lora(self, size: int) -> None:
         """Groups the tokens by adapter slot from the static slot buffer; captured in the graph, so a
@@ -171,9 +200,9 @@ class DecodeGraphs:
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
-    def key(self, batch: int, lora_slots: list[int]) -> tuple[int, bool]:
-        """The graph a step of `batch` rows with these adapter slots replays: its bucket, and whether it
-        does the LoRA work (some row uses an adapter)."""
+    def key(self, batch: int, lora_slots: list[int]) -> GraphKey:
+        """The graph a step of `batch` rows with these adapter slots replays: its bucket, whether it does the
+        LoRA work (some row uses an adapter), and the folds it hands to the tiled variants (`graph_key`)."""
         return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots)
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
@@ -182,7 +211,7 @@ class DecodeGraphs:
         ids are gathered from it on the device (input_ids only hold placeholders)."""
         batch = len(input_ids)
         key = self.key(batch, lora_slots)
-        size = key[0]
+        size = key.bucket
         self._copied.synchronize()
         self._tables.stage(block_tables, size)
         rows, bs = self._rows, self.block_size

@@ -51,7 +51,7 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAStep | None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """(y, None) with the adapters' deltas added; or, when `self.consumer` is in `lora.fold_into`, the
-        base product and the delta that op adds. out: where y goes (a buffer that outlives a CUDA-graph
+        base product and the delta that op adds (in its tiled variant when it is in `lora.tiled_folds`). out: where y goes (a buffer that outlives a CUDA-graph
         piece), else a new tensor."""
         if lora is None or self.lora_a is None:
             return self._base(x, out), None
@@ -66,7 +66,7 @@ class LoRALinear(nn.Module):
             y = self._base(x, out)
             main.wait_stream(lora.side_stream)
         if self.consumer in lora.fold_into:
-            return y, kernels.LoRADelta(h, tuple(self.lora_b), lora.meta)
+            return y, kernels.LoRADelta(h, tuple(self.lora_b), lora.meta, tiled=self.consumer in lora.tiled_folds)
         kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
         return y, None
 

@@ -32,7 +32,8 @@ class ModelRunner:
         self.piecewise = None
 
     def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
-        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model).
+        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model). The step's folds take the
+        fused ops' tiled variants where `lora_tuning.tiled_decode_ops` says, from its rows' slots.
 
         Sequences with one new token should come first: they share one batched decode attention.
         """
@@ -40,8 +41,11 @@ class ModelRunner:
         ids, pos, _, lora_slots = rows
         lora = None
         if any(s >= 0 for s in adapter_slots):
+            num_tokens = len(lora_slots)
+            token_slots = (slot for item, slot in zip(scheduled, adapter_slots) for _ in range(item.num_new_tokens))
             lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots),
-                            fold_into=lora_tuning.folded_ops(len(lora_slots)))
+                            fold_into=lora_tuning.folded_ops(num_tokens),
+                            tiled_folds=lora_tuning.tiled_decode_ops(num_tokens, token_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def _pack_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],

@@ -35,11 +35,15 @@ class LoRAStep:
     latency-bound and the skinny decode matmuls leave SMs idle); the expand waits for both. Eager steps
     leave it None. fold_into: the fused ops (`lora_tuning.folded_ops`: "rotary_and_write_kv", "silu_and_mul",
     "add_rms_norm") that take the expand of the projection whose output they read, adding the delta as they
-    read each row: one launch a projection fewer, and the projection's output is not read and written back."""
+    read each row: one launch a projection fewer, and the projection's output is not read and written back.
+    tiled_folds: the ops of fold_into that take their tiled variant (B read once per tile of same-slot tokens)
+    although the step is on the per-token path (`lora_tuning.tiled_decode_ops`: many rows on few adapters); on
+    the segment path every fold is tiled whatever this holds."""
 
     meta: LoRAMetadata  # the tokens grouped by adapter slot
     side_stream: torch.cuda.Stream | None = None
     fold_into: frozenset[str] = frozenset()
+    tiled_folds: frozenset[str] = frozenset()
 
 
 @dataclass

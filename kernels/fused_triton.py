@@ -9,7 +9,8 @@ once, before the op's own math (tokens of slot -1 read no B). The B tiles are [c
 so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a delta (`HAS_LORA`
 false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps the LoRA
 kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
-`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens.
+`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens, and so does a delta the step marked
+`tiled` (per-token steps whose rows share few adapters, `lora_tuning.tiled_decode_ops`).
 """
 from __future__ import annotations
 
@@ -70,9 +71,10 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
 
 
 def _tiled(lora: LoRADelta) -> bool:
-    """Whether a delta goes to the tiled variants: steps the LoRA kernels run in segments (`choose_path`), where
-    reading B once per token would cost more than the fold saves."""
-    return lora_tuning.choose_path(lora.meta.num_tokens) == "sgmv"
+    """Whether a delta goes to the tiled variants: as its step chose (`LoRADelta.tiled`), and always on steps the
+    LoRA kernels run in segments (`choose_path`), where reading B once per token would cost more than the fold
+    saves."""
+    return lora.tiled or lora_tuning.choose_path(lora.meta.num_tokens) == "sgmv"
 
 
 def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
@@ -233,8 +235,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config: LoRAOpConfig | None = None,
                  tile_config: tiles.LoRATileConfig | None = None) -> torch.Tensor:
     """A grid of (row, column block); with `lora` a block is `config.chunks_per_program` chunks of
-    `config.chunk` columns (gate_up stays as it is). With `lora` on a step of the segment path, the tiled
-    variant (`fused_lora_tiles_triton`) in its launch shape `tile_config`."""
+    `config.chunk` columns (gate_up stays as it is). With `lora` on a step of the segment path, or marked `tiled`,
+    the tiled variant (`fused_lora_tiles_triton`) in its launch shape `tile_config`."""
     rows, width = gate_up.shape
     if lora is not None and _tiled(lora):
         return tiles.silu_and_mul(gate_up, lora, config=tile_config)

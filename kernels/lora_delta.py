@@ -20,12 +20,15 @@ class LoRADelta:
 
     `h` is float32 [n, T, R] as `lora_shrink_slices` returns it; `b_slices[i]` is a stacked slot tensor
     [S, N_i, R] in the model dtype (each slot's matrix contiguous, any stride between slots); tokens
-    whose `meta.slots` entry is -1 get no delta.
+    whose `meta.slots` entry is -1 get no delta. `tiled`: the consumer takes its tiled variant (B read once per
+    tile of same-slot tokens) on a per-token-sized step too, as the step chose (`lora_tuning.tiled_decode_ops`);
+    steps on the segment path take it regardless.
     """
 
     h: torch.Tensor
     b_slices: tuple[torch.Tensor, ...]
     meta: LoRAMetadata
+    tiled: bool = False
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -37,7 +40,7 @@ class LoRADelta:
 
     def slice(self, i: int) -> LoRADelta:
         """The delta of slice i alone."""
-        return LoRADelta(self.h[i:i + 1], (self.b_slices[i],), self.meta)
+        return LoRADelta(self.h[i:i + 1], (self.b_slices[i],), self.meta, self.tiled)
 
     def apply(self, y: torch.Tensor) -> None:
         """The unfused expand: y += delta in place (the torch path, and the oracle)."""

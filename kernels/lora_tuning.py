@@ -5,11 +5,13 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`) and which expands steps fold into the fused op after them (`folded_ops`).
+(`choose_path`), which expands steps fold into the fused op after them (`folded_ops`), and which of
+those folds a per-token step hands to the ops' tiled variants (`tiled_decode_ops`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -101,6 +103,55 @@ def folded_ops(num_tokens: int) -> frozenset[str]:
     """The fused ops that add the LoRA delta of the projection they read, in a step of `num_tokens` tokens
     (none when the fold is switched off)."""
     return FOLDED_OPS[choose_path(num_tokens)] if fold_expand() else frozenset()
+
+
+# On the per-token path the SiLU·up fold reads the token's gate/up B ([28672, 16] bf16, 917 KB on Llama-3-8B) once
+# per token, L2-bound when many rows share few adapters; the tiled variant reads it once per 16-row tile of
+# same-slot tokens. H200, Llama-3-8B gate/up at rank 16, us per-token fold against the tiled variant (chunk 128,
+# 16-row parts), tokens x distinct adapters (benchmarks/results_decode_tiled_fold_h200.json):
+#   32 x 1 / 4 / 16 / 64:  5.1 / 5.2 / 5.5 / 6.0  against 4.3 / 4.6 / 9.5 / 13.8
+#   64 x 1 / 4 / 16 / 64:  8.8 / 8.9 / 9.3 / 13.6 against 5.1 / 5.7 / 9.7 / 24.9
+#  128 x 1 / 4 / 16 / 64: 16.4 / 16.5 / 16.9 / 24.5 against 6.5 / 7.8 / 10.3 / 34.3
+#   16 x any: 3.6-4.0 against 3.9-8.9
+# So from 32 tokens, with at least 8 adapter rows per distinct adapter, SiLU·up takes the tiled variant. The rotary
+# (tiled wins only at 128 tokens, by about 1 us) and the RMSNorm (tiled 5x slower) stay per token.
+# `LORASERVE_LORA_DECODE_TILES=1|0` overrides, for measuring both.
+DECODE_TILES = True
+DECODE_TILES_ENV = "LORASERVE_LORA_DECODE_TILES"
+DECODE_TILES_MIN_TOKENS = 32
+DECODE_TILES_MIN_ROWS_PER_ADAPTER = 8
+DECODE_TILED_OPS = frozenset({"silu_and_mul"})
+
+
+def decode_tiles() -> bool:
+    """Whether per-token steps may hand folds to the tiled variants: DECODE_TILES unless
+    LORASERVE_LORA_DECODE_TILES says otherwise."""
+    return env_switch(DECODE_TILES_ENV, "1", "0", DECODE_TILES)
+
+
+def tileable_decode_ops(num_tokens: int) -> frozenset[str]:
+    """The folds a per-token step of `num_tokens` tokens can hand to the tiled variants, whatever its adapters
+    (empty on the segment path, where every fold is tiled anyway, below DECODE_TILES_MIN_TOKENS, or when the
+    switch or the fold is off): the decode graphs capture a tiled variant only where this is not empty."""
+    if choose_path(num_tokens) != "bgmv" or num_tokens < DECODE_TILES_MIN_TOKENS or not decode_tiles():
+        return frozenset()
+    return DECODE_TILED_OPS & folded_ops(num_tokens)
+
+
+def tiled_decode_ops(num_tokens: int, lora_slots: Iterable[int]) -> frozenset[str]:
+    """The folds of a per-token step of `num_tokens` tokens that take the tiled variants: those of
+    `tileable_decode_ops` when the rows using an adapter (`lora_slots`, one per row, -1: the base model, not
+    counted) are at least DECODE_TILES_MIN_ROWS_PER_ADAPTER per distinct adapter; else none."""
+    ops = tileable_decode_ops(num_tokens)
+    if not ops:
+        return ops
+    slots = lora_slots if isinstance(lora_slots, list) else list(lora_slots)
+    adapters = set(slots)  # set and count: a step's host work, kept to C loops
+    adapters.discard(-1)
+    adapter_rows = len(slots) - slots.count(-1)
+    if not adapters or adapter_rows < DECODE_TILES_MIN_ROWS_PER_ADAPTER * len(adapters):
+        return frozenset()
+    return ops
 
 
 def sgmv_block_m(max_tokens: int) -> int:

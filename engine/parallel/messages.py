@@ -29,6 +29,8 @@ class Step:
     num_lora_slots: int
     # the fused ops the driver's step folds the LoRA expands into (LoRAStep.fold_into): every rank folds alike
     lora_fold_into: frozenset[str]
+    # those of them that take the fused ops' tiled variants (LoRAStep.tiled_folds), as the driver chose
+    lora_tiled_folds: frozenset[str]
     num_kv_blocks: int
     block_size: int
     # the Triton prefill attention's plan (tiles, sequences, block_q), made once per step on the driver
@@ -96,6 +98,7 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         lora_slots=None if lora is None else _numpy(lora.meta.slots[:lora.meta.num_tokens]),
         num_lora_slots=0 if lora is None else lora.meta.num_slots,
         lora_fold_into=frozenset() if lora is None else lora.fold_into,
+        lora_tiled_folds=frozenset() if lora is None else lora.tiled_folds,
         num_kv_blocks=num_blocks, block_size=block_size,
         prefill=None if attn.prefill is None else (_numpy(attn.prefill.tiles), _numpy(attn.prefill.sequences),
                                                    attn.prefill.block_q),
@@ -112,7 +115,7 @@ def decode_step(message: Step, device: torch.device) -> StepInput:
         import kernels
 
         lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots),
-                        fold_into=message.lora_fold_into)
+                        fold_into=message.lora_fold_into, tiled_folds=message.lora_tiled_folds)
     prefill = None
     if message.prefill is not None:
         from kernels.prefill_attention_triton import PrefillPlan

@@ -97,7 +97,7 @@ def test_base_only_decode_steps_of_a_lora_engine_replay_graphs_without_the_lora_
     lora_llm = LLM(str(tiny_llama), enable_lora=True, max_loras=4, max_lora_rank=16, **kwargs)
     replayed = _record_replays(lora_llm)
     base_only = lora_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
-    assert replayed and not any(with_lora for _, with_lora in replayed)
+    assert replayed and not any(key.with_lora for key in replayed)
     plain = LLM(str(tiny_llama), **kwargs).generate(PROMPTS, PARAMS, use_tqdm=False)
     assert _tokens(base_only) == _tokens(plain)
 
@@ -108,7 +108,7 @@ def test_decode_steps_with_any_adapter_row_replay_graphs_with_the_lora_work(tiny
         llm.engine.lora_manager.add(lora)
     replayed = _record_replays(llm)
     _mixed(llm, loras)  # every request then ends at the same step: every decode step has base and adapter rows
-    assert replayed and all(with_lora for _, with_lora in replayed)
+    assert replayed and all(key.with_lora for key in replayed)
 
 
 @pytest.mark.parametrize("tokens", [16, 32, 64, 128])

@@ -1,22 +1,70 @@
 """Which decode graph a step replays (checked on the CPU: the choice is host logic): the smallest bucket
-that holds its rows, with the LoRA work only when some row uses an adapter."""
+that holds its rows, with the LoRA work only when some row uses an adapter, and with the SiLU·up fold's tiled
+variant only from 32 rows and only when the rows share few adapters (`lora_tuning.tiled_decode_ops`)."""
 from __future__ import annotations
 
-from engine.cuda_graphs import default_buckets, graph_key
+import pytest
+
+from engine.cuda_graphs import GraphKey, bucket_keys, default_buckets, graph_key
+from kernels import lora_tuning
 
 BUCKETS = default_buckets(64)  # 1, 2, 4, 8, 16, 32, 48, 64
+TILED = frozenset({"silu_and_mul"})
+
+
+@pytest.fixture(autouse=True)
+def _default_switches(monkeypatch):
+    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
+    monkeypatch.delenv(lora_tuning.DECODE_TILES_ENV, raising=False)
 
 
 def test_a_step_replays_the_smallest_bucket_that_holds_its_rows():
-    assert [graph_key(BUCKETS, 0, batch, [-1] * batch)[0] for batch in (1, 3, 8, 9, 33, 64)] == \
+    assert [graph_key(BUCKETS, 0, batch, [-1] * batch).bucket for batch in (1, 3, 8, 9, 33, 64)] == \
         [1, 4, 8, 16, 48, 64]
 
 
 def test_a_step_whose_rows_use_no_adapter_replays_the_graph_without_the_lora_work():
-    assert graph_key(BUCKETS, 4, 5, [-1] * 5) == (8, False)
+    assert graph_key(BUCKETS, 4, 5, [-1] * 5) == GraphKey(8, False)
+    assert graph_key(BUCKETS, 4, 40, [-1] * 40) == GraphKey(48, False)
 
 
 def test_one_adapter_row_is_enough_for_the_graph_with_the_lora_work():
-    assert graph_key(BUCKETS, 4, 5, [-1, -1, -1, 0, -1]) == (8, True)
-    assert graph_key(BUCKETS, 4, 2, [3, 1]) == (2, True)
+    assert graph_key(BUCKETS, 4, 5, [-1, -1, -1, 0, -1]) == GraphKey(8, True)
+    assert graph_key(BUCKETS, 4, 2, [3, 1]) == GraphKey(2, True)
 
+
+def test_many_rows_on_few_adapters_replay_the_graph_with_the_tiled_fold():
+    assert graph_key(BUCKETS, 4, 32, [2] * 32) == GraphKey(32, True, TILED)
+    assert graph_key(BUCKETS, 4, 64, [i % 4 for i in range(64)]) == GraphKey(64, True, TILED)
+
+
+def test_rows_spread_over_many_adapters_replay_the_per_token_fold():
+    assert graph_key(BUCKETS, 16, 64, [i % 16 for i in range(64)]) == GraphKey(64, True)
+
+
+def test_the_bucket_not_the_batch_decides_whether_a_step_may_tile():
+    """25 rows on one adapter fill the 32-row bucket: its size is what the kernels launch over."""
+    assert graph_key(BUCKETS, 4, 25, [1] * 25) == GraphKey(32, True, TILED)
+    assert graph_key(BUCKETS, 4, 16, [1] * 16) == GraphKey(16, True)
+
+
+def test_the_tiled_fold_is_not_chosen_when_switched_off(monkeypatch):
+    monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
+    assert graph_key(BUCKETS, 4, 64, [0] * 64) == GraphKey(64, True)
+
+
+@pytest.mark.parametrize("bucket", BUCKETS)
+def test_a_bucket_is_captured_with_the_tiled_fold_only_from_32_rows(bucket):
+    keys = [GraphKey(bucket, False), GraphKey(bucket, True)] + [GraphKey(bucket, True, TILED)] * (bucket >= 32)
+    assert bucket_keys(bucket, 4) == keys
+
+
+def test_a_bucket_without_adapter_slots_is_captured_once():
+    assert bucket_keys(64, 0) == [GraphKey(64, False)]
+
+
+def test_every_key_a_step_can_take_is_captured():
+    for batch in range(1, 65):
+        for spread in (1, 2, 4, 8, 16, 64):
+            key = graph_key(BUCKETS, 64, batch, [i % spread for i in range(batch)])
+            assert key in bucket_keys(key.bucket, 64)

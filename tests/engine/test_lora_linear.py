@@ -44,3 +44,11 @@ def test_a_projection_hands_its_delta_to_its_consumer_when_it_folds():
 def test_a_projection_refuses_a_consumer_that_is_not_a_fused_op():
     with pytest.raises(ValueError, match="consumer must be one of"):
         LoRALinear(8, [8], False, ["o_proj"], "rms_norm")
+
+
+def test_a_projection_hands_the_steps_tiled_choice_to_its_delta():
+    linear, x = _gate_up(), torch.randn(4, 8)
+    fold = frozenset({"silu_and_mul"})
+    _, tiled = linear(x, LoRAStep(kernels.prepare_lora_metadata(SLOTS, 2), fold_into=fold, tiled_folds=fold))
+    _, per_token = linear(x, _step(fold))
+    assert tiled.tiled and not per_token.tiled

@@ -216,3 +216,21 @@ def test_a_steps_fold_choice_reaches_the_workers_as_the_driver_made_it():
     received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).lora
     assert received.fold_into == fold_into
     assert torch.equal(received.meta.slots[:4], lora.meta.slots[:4])
+
+
+def test_a_steps_tiled_fold_choice_reaches_the_workers_as_the_driver_made_it():
+    import kernels
+    from engine.parallel.messages import decode_step, encode_step
+    from engine.step_input import AttentionMetadata, LoRAStep, StepInput
+
+    tokens = torch.arange(32)
+    fold = frozenset({"silu_and_mul", "add_rms_norm"})
+    lora = LoRAStep(kernels.prepare_lora_metadata(torch.zeros(32, dtype=torch.int32), 2), fold_into=fold,
+                    tiled_folds=frozenset({"silu_and_mul"}))
+    step = StepInput(tokens, tokens, AttentionMetadata(
+        slot_mapping=tokens, block_tables=torch.zeros(32, 1, dtype=torch.long),
+        context_lens=torch.ones(32, dtype=torch.long), query_lens=[1] * 32, context_lens_list=[1] * 32,
+        num_decode=32), lora=lora)
+    kv_caches = [(torch.zeros(8, 16, 1, 4), torch.zeros(8, 16, 1, 4))]
+    received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).lora
+    assert received.tiled_folds == frozenset({"silu_and_mul"})

@@ -11,7 +11,7 @@ values. The dispatcher test checks which variant a step's token count gets.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -265,6 +265,35 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
     for a, b in zip(got.outputs(), want.outputs()):
         same(a, b)
     assert [call.name for call in launches] == kernels * (lora_tuning.choose_path(num_tokens) == "sgmv")
+
+
+def test_a_delta_marked_tiled_takes_the_tiled_variant_on_a_per_token_step(monkeypatch):
+    """The step's choice (`LoRADelta.tiled`, `lora_tuning.tiled_decode_ops`) where the token count alone would
+    take the per-token variant; the result equals expand-then-op as before."""
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    launches = record_calls(monkeypatch, tiles, "_silu_and_mul_tiles_kernel")
+    slots = PATTERNS["unsorted_mixed"]
+    assert lora_tuning.choose_path(len(slots)) == "bgmv"
+    gate_up = _gate_up(slots, torch.float32)
+    lora = exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.float32, seed=4, device=DEVICE)
+    got = fused_triton.silu_and_mul(gate_up, replace(lora, tiled=True))
+    assert [call.name for call in launches] == ["_silu_and_mul_tiles_kernel"]
+    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_captured_tiled_silu_and_mul_of_a_per_token_step_replays_with_the_next_steps_slots_and_h():
+    """A decode graph's tiled SiLU·up: 52 tokens (the per-token path) in 16-row tiles over the metadata's slots."""
+    from kernels import fused_triton
+
+    slots = PATTERNS["unsorted_mixed"]
+    gate_up = _gate_up(slots, torch.bfloat16)
+    lora = replace(exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE), tiled=True)
+    replays_the_next_step(lambda: (fused_triton.silu_and_mul(gate_up, lora),), [lora],
+                          slots_tensor(list(reversed(slots)), DEVICE))
 
 
 @pytest.mark.gpu

@@ -50,3 +50,66 @@ def test_the_fold_switch_refuses_other_values(monkeypatch):
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "yes")
     with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be '1' or '0'"):
         lora_tuning.fold_expand()
+
+
+@pytest.fixture
+def tiles_on(monkeypatch):
+    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
+    monkeypatch.delenv(lora_tuning.DECODE_TILES_ENV, raising=False)
+
+
+TILED = frozenset({"silu_and_mul"})
+
+
+@pytest.mark.parametrize(("tokens", "adapters", "tiled"), [
+    (32, 1, True), (32, 4, True), (32, 16, False), (32, 64, False),
+    (64, 1, True), (64, 4, True), (64, 8, True), (64, 16, False),
+    (128, 16, True), (128, 17, False), (128, 64, False),
+    (16, 1, False), (31, 1, False),
+])
+def test_silu_and_mul_tiles_from_32_tokens_with_8_rows_per_adapter(tiles_on, tokens, adapters, tiled):
+    slots = [t % adapters for t in range(tokens)]
+    assert lora_tuning.tiled_decode_ops(tokens, slots) == (TILED if tiled else frozenset())
+
+
+def test_base_rows_do_not_count_towards_the_rows_per_adapter(tiles_on):
+    """64 rows, 8 of them on each of 4 adapters (32 base): still 8 per adapter; one adapter row fewer is not."""
+    slots = [t % 4 if t < 32 else -1 for t in range(64)]
+    assert lora_tuning.tiled_decode_ops(64, slots) == TILED
+    assert lora_tuning.tiled_decode_ops(64, slots[1:] + [-1]) == frozenset()
+
+
+def test_a_step_without_adapter_rows_tiles_nothing(tiles_on):
+    assert lora_tuning.tiled_decode_ops(64, [-1] * 64) == frozenset()
+
+
+def test_steps_of_the_segment_path_are_left_to_the_path(tiles_on):
+    """From SGMV_MIN_TOKENS every fold is tiled anyway (`fused_triton._tiled`): nothing to choose."""
+    tokens = lora_tuning.SGMV_MIN_TOKENS
+    assert lora_tuning.tileable_decode_ops(tokens) == frozenset()
+    assert lora_tuning.tiled_decode_ops(tokens, [0] * tokens) == frozenset()
+
+
+def test_only_steps_of_32_to_128_tokens_can_tile(tiles_on):
+    assert [t for t in range(1, 300) if lora_tuning.tileable_decode_ops(t)] == list(range(32, 129))
+
+
+@pytest.mark.parametrize("env", [lora_tuning.DECODE_TILES_ENV, lora_tuning.FOLD_EXPAND_ENV])
+def test_nothing_tiles_when_the_switch_or_the_fold_is_off(monkeypatch, env):
+    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
+    monkeypatch.delenv(lora_tuning.DECODE_TILES_ENV, raising=False)
+    monkeypatch.setenv(env, "0")
+    assert lora_tuning.tileable_decode_ops(64) == frozenset()
+    assert lora_tuning.tiled_decode_ops(64, [0] * 64) == frozenset()
+
+
+@pytest.mark.parametrize(("value", "want"), [("1", True), ("0", False), ("", lora_tuning.DECODE_TILES)])
+def test_the_decode_tiles_switch_reads_the_environment(monkeypatch, value, want):
+    monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, value)
+    assert lora_tuning.decode_tiles() is want
+
+
+def test_the_decode_tiles_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "on")
+    with pytest.raises(ValueError, match="LORASERVE_LORA_DECODE_TILES must be '1' or '0'"):
+        lora_tuning.decode_tiles()
