@@ -21,6 +21,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
+from benchmarks.timing import median_replay_us  # noqa: E402
 from kernels.device import multiprocessor_count  # noqa: E402
 from kernels.paged_attention_triton import (  # noqa: E402
     DecodeConfig, decode_config, default_num_splits, paged_attention_decode,
@@ -38,24 +39,6 @@ def candidates(batch: int, width: int, device: torch.device) -> list[tuple[Decod
     grid = [(DecodeConfig(tokens=t, num_warps=w, num_stages=s), sp, False)
             for t, w, s, sp in itertools.product((16, 32, 64, 128), (2, 4), (1, 2, 3), (1, 2, 3, 4))]
     return [(committed, splits, True), *grid]
-
-
-def graph_us_per_layer(step) -> float:
-    """Median of 5 replays of step's graph, per layer."""
-    step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    times = []
-    for _ in range(5):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / LAYERS)
-    return sorted(times)[2]
 
 
 def run_case(batch: int, context: int, shuffled: bool, bandwidth: float, device: torch.device) -> list[dict]:
@@ -76,7 +59,7 @@ def run_case(batch: int, context: int, shuffled: bool, bandwidth: float, device:
                 paged_attention_decode(q, k_cache, v_cache, tables, lens, HEAD_DIM ** -0.5, out=out,
                                        num_splits=splits, config=config)
         try:
-            us = graph_us_per_layer(step)
+            us = median_replay_us(step, 5) / LAYERS
         except Exception as exc:  # noqa: BLE001 - a config past the shared memory limit
             print(f"  {config} splits {splits}: {type(exc).__name__}", flush=True)
             continue

@@ -22,6 +22,7 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
+from benchmarks.timing import median_replay_us  # noqa: E402
 from kernels import fused  # noqa: E402
 from kernels.attention import decode_attention  # noqa: E402
 
@@ -110,20 +111,7 @@ class LayerChain:
 def time_us_per_layer(chain: LayerChain, mode: str) -> tuple[float, torch.Tensor]:
     """Median of 7 replays of the mode's 32-layer graph, per layer, and the chain's output."""
     y = chain.run(mode)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain.run(mode)
-    graph.replay()
-    times = []
-    for _ in range(7):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(begin.elapsed_time(end) * 1e3 / LAYERS)
-    return sorted(times)[3], y
+    return median_replay_us(lambda: chain.run(mode), 7) / LAYERS, y
 
 
 def main() -> None:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
+from tests.engine.recording_graph import RecordingGraph
 from tests.tiny_models import make_peft_adapter
 
 pytestmark = pytest.mark.gpu
@@ -73,22 +74,11 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
-class _RecordingGraph:
-    """A captured graph that notes its key each time it is replayed."""
-
-    def __init__(self, graph, key, replayed: list):
-        self.graph, self.key, self.replayed = graph, key, replayed
-
-    def replay(self):
-        self.replayed.append(self.key)
-        self.graph.replay()
-
-
 def _record_replays(llm) -> list:
     replayed: list = []
     graphs = llm.engine.runner.graphs.graphs
     for key, graph in list(graphs.items()):
-        graphs[key] = _RecordingGraph(graph, key, replayed)
+        graphs[key] = RecordingGraph(graph, key, replayed)
     return replayed
 
 

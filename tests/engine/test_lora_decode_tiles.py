@@ -9,9 +9,6 @@ graphs with other steps' slots against eager steps.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,10 +19,12 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.model import LoRALinear
 from engine.step_input import LoRAStep
 from kernels import lora_tuning
+from tests.engine.recording_graph import RecordingGraph
+from tests.fresh_interpreter import run_pytest_interpreted, triton_interpreted_here
 from tests.kernels.lora_cases import record_calls
 from tests.tiny_models import make_peft_adapter
 
-TRITON_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_HERE = triton_interpreted_here()
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FOLD = frozenset({"silu_and_mul"})
 # 32 rows: 16 on one adapter, 8 on another, 8 on the base model (12 adapter rows per adapter: tiled); the
@@ -121,17 +120,6 @@ def test_decode_steps_of_many_rows_on_few_adapters_tile_and_generate_the_untiled
     assert tokens["1"] == tokens["0"]
 
 
-class _RecordingGraph:
-    """A captured graph that notes its key each time it is replayed."""
-
-    def __init__(self, graph, key, replayed: list):
-        self.graph, self.key, self.replayed = graph, key, replayed
-
-    def replay(self):
-        self.replayed.append(self.key)
-        self.graph.replay()
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run(tiny_llama, tmp_path, monkeypatch):
@@ -147,7 +135,7 @@ def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run
     replayed: list = []
     captured = graphs.engine.runner.graphs.graphs
     for key, graph in list(captured.items()):
-        captured[key] = _RecordingGraph(graph, key, replayed)
+        captured[key] = RecordingGraph(graph, key, replayed)
     for rows in (ROW_ADAPTERS, list(reversed(ROW_ADAPTERS))):
         loras = [None if i is None else adapters[i] for i in rows]
         monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "1")
@@ -161,11 +149,4 @@ def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
 def test_in_a_fresh_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k",
-         "not fresh_interpreter and not graph"],
-        cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "2 passed" in run.stdout
+    assert "2 passed" in run_pytest_interpreted(Path(__file__), "not fresh_interpreter and not graph")

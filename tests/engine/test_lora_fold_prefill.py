@@ -6,20 +6,17 @@ runs in a fresh interpreter process unless this one can run them already.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from kernels import lora_tuning
+from tests.fresh_interpreter import run_pytest_interpreted, triton_interpreted_here
 from tests.kernels.lora_cases import record_calls
 from tests.tiny_models import make_peft_adapter
 
-TRITON_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_HERE = triton_interpreted_here()
 # about 50 tokens each: the adapters' prompts share a step of more than SGMV_MIN_TOKENS tokens
 PROMPTS = [2 * text for text in [
     "The capital of France is Paris. The capital of Italy is Rome. The capital of ",
@@ -60,11 +57,4 @@ def test_a_folded_prefill_on_the_segment_path_decodes_as_the_unfolded_one(tiny_l
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
 def test_in_a_fresh_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k",
-         "segment_path"],
-        cwd=root, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert "1 passed" in run.stdout
+    assert "1 passed" in run_pytest_interpreted(Path(__file__), "segment_path")

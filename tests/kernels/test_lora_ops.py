@@ -8,9 +8,6 @@ groups, and the Triton blocks are small so every loop runs several partial itera
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -21,6 +18,7 @@ import torch
 
 from kernels import LoRAMetadata, lora_torch, lora_triton, prepare_lora_metadata
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig
+from tests.fresh_interpreter import run_pytest_interpreted
 from tests.kernels.lora_cases import (
     NUM_SLOTS,
     PATTERNS,
@@ -152,13 +150,7 @@ def test_expand_reads_slots_packed_in_one_buffer(impl):
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
 def test_triton_kernels_in_a_fresh_interpreter():
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).parent)],
-        cwd=root, env=env, capture_output=True, text=True,
-    )
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    run_pytest_interpreted(Path(__file__).parent)
 
 
 @needs_triton
