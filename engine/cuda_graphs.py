@@ -16,7 +16,7 @@ preferred.
 """
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -70,15 +70,18 @@ class GraphKey(NamedTuple):
     tiled_folds: frozenset[str] = frozenset()
 
 
-def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int]) -> GraphKey:
+def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],
+              tileable: Mapping[int, frozenset[str]] | None = None) -> GraphKey:
     """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
     bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
     uses one), and the folds that take the tiled variants in a bucket of that size with these rows
-    (`lora_tuning.tiled_decode_ops`)."""
+    (`lora_tuning.tiled_decode_ops`). tileable: the folds each bucket was captured tiled with (`bucket_keys`),
+    so a switch changed since capture cannot name a graph that does not exist; None: as the switches say now."""
     bucket = smallest_bucket(buckets, batch)
     if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
         return GraphKey(bucket, False)
-    return GraphKey(bucket, True, lora_tuning.tiled_decode_ops(bucket, lora_slots))
+    ops = lora_tuning.tileable_decode_ops(bucket) if tileable is None else tileable[bucket]
+    return GraphKey(bucket, True, ops if ops and lora_tuning.shares_few_adapters(lora_slots) else frozenset())
 
 
 def bucket_keys(bucket: int, num_lora_slots: int) -> list[GraphKey]:
@@ -147,6 +150,8 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
+        # the folds each bucket's graphs were captured tiled with: the switches are read once, at capture
+        self.tileable: dict[int, frozenset[str]] = {}
         self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
         self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots else None
         self._capture_all()
@@ -173,7 +178,9 @@ class DecodeGraphs:
         for size in reversed(self.buckets):
             if self.num_lora_slots:
                 self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
-            for key in reversed(bucket_keys(size, self.num_lora_slots)):
+            keys = bucket_keys(size, self.num_lora_slots)
+            self.tileable[size] = keys[-1].tiled_folds  # the tiled graph comes last, where there is one
+            for key in reversed(keys):
                 self._capture(key, pool)
         torch.cuda.synchronize()
 
@@ -203,7 +210,7 @@ class DecodeGraphs:
     def key(self, batch: int, lora_slots: list[int]) -> GraphKey:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, whether it does the
         LoRA work (some row uses an adapter), and the folds it hands to the tiled variants (`graph_key`)."""
-        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots)
+        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.tileable)
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:

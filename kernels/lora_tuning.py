@@ -140,18 +140,19 @@ def tileable_decode_ops(num_tokens: int) -> frozenset[str]:
 
 def tiled_decode_ops(num_tokens: int, lora_slots: Iterable[int]) -> frozenset[str]:
     """The folds of a per-token step of `num_tokens` tokens that take the tiled variants: those of
-    `tileable_decode_ops` when the rows using an adapter (`lora_slots`, one per row, -1: the base model, not
-    counted) are at least DECODE_TILES_MIN_ROWS_PER_ADAPTER per distinct adapter; else none."""
+    `tileable_decode_ops` when its rows share few adapters (`shares_few_adapters`); else none."""
     ops = tileable_decode_ops(num_tokens)
-    if not ops:
-        return ops
+    return ops if ops and shares_few_adapters(lora_slots) else frozenset()
+
+
+def shares_few_adapters(lora_slots: Iterable[int]) -> bool:
+    """Whether the rows using an adapter (`lora_slots`, one per row, -1: the base model, not counted) are at
+    least DECODE_TILES_MIN_ROWS_PER_ADAPTER per distinct adapter (and there is one)."""
     slots = lora_slots if isinstance(lora_slots, list) else list(lora_slots)
     adapters = set(slots)  # set and count: a step's host work, kept to C loops
     adapters.discard(-1)
     adapter_rows = len(slots) - slots.count(-1)
-    if not adapters or adapter_rows < DECODE_TILES_MIN_ROWS_PER_ADAPTER * len(adapters):
-        return frozenset()
-    return ops
+    return bool(adapters) and adapter_rows >= DECODE_TILES_MIN_ROWS_PER_ADAPTER * len(adapters)
 
 
 def sgmv_block_m(max_tokens: int) -> int:

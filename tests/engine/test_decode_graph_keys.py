@@ -68,3 +68,21 @@ def test_every_key_a_step_can_take_is_captured():
         for spread in (1, 2, 4, 8, 16, 64):
             key = graph_key(BUCKETS, 64, batch, [i % spread for i in range(batch)])
             assert key in bucket_keys(key.bucket, 64)
+
+
+@pytest.mark.parametrize("env", [lora_tuning.DECODE_TILES_ENV, lora_tuning.FOLD_EXPAND_ENV])
+def test_a_switch_turned_on_after_capture_names_no_graph_that_was_not_captured(monkeypatch, env):
+    """The graphs were captured with the switch off (no tiled graph); the keys read the folds they were captured
+    tiled with (`DecodeGraphs.tileable`), not the switch as it is now."""
+    monkeypatch.setenv(env, "0")
+    captured = {bucket: bucket_keys(bucket, 4) for bucket in BUCKETS}
+    tileable = {bucket: keys[-1].tiled_folds for bucket, keys in captured.items()}
+    monkeypatch.setenv(env, "1")
+    key = graph_key(BUCKETS, 4, 64, [0] * 64, tileable)
+    assert key in captured[64] and key == GraphKey(64, True)
+
+
+def test_a_switch_turned_off_after_capture_keeps_the_tiled_graph_it_captured(monkeypatch):
+    tileable = {bucket: bucket_keys(bucket, 4)[-1].tiled_folds for bucket in BUCKETS}
+    monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
+    assert graph_key(BUCKETS, 4, 64, [0] * 64, tileable) == GraphKey(64, True, TILED)
