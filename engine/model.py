@@ -51,8 +51,8 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAStep | None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """(y, None) with the adapters' deltas added; or, when `self.consumer` is in `lora.fold_into`, the
-        base product and the delta that op adds (in its tiled variant when it is in `lora.tiled_folds`). out: where y goes (a buffer that outlives a CUDA-graph
-        piece), else a new tensor."""
+        base product and the delta that op adds (in its tiled variant when it is in `lora.tiled_folds`).
+        out: where y goes (a buffer that outlives a CUDA-graph piece), else a new tensor."""
         if lora is None or self.lora_a is None:
             return self._base(x, out), None
         if lora.side_stream is None:

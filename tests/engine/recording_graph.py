@@ -1,4 +1,4 @@
-"""A stand-in for a captured CUDA graph that notes which graph each step replays."""
+"""Stand-ins for captured CUDA graphs that note which graph each step replays."""
 from __future__ import annotations
 
 
@@ -11,3 +11,12 @@ class RecordingGraph:
     def replay(self):
         self.replayed.append(self.key)
         self.graph.replay()
+
+
+def record_replays(llm) -> list:
+    """Wrap every decode graph of `llm`'s engine: the list then receives the key of each graph replayed."""
+    replayed: list = []
+    graphs = llm.engine.runner.graphs.graphs
+    for key, graph in list(graphs.items()):
+        graphs[key] = RecordingGraph(graph, key, replayed)
+    return replayed

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
-from tests.engine.recording_graph import RecordingGraph
+from tests.engine.recording_graph import record_replays
 from tests.tiny_models import make_peft_adapter
 
 pytestmark = pytest.mark.gpu
@@ -74,18 +74,10 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
-def _record_replays(llm) -> list:
-    replayed: list = []
-    graphs = llm.engine.runner.graphs.graphs
-    for key, graph in list(graphs.items()):
-        graphs[key] = RecordingGraph(graph, key, replayed)
-    return replayed
-
-
 def test_base_only_decode_steps_of_a_lora_engine_replay_graphs_without_the_lora_work(tiny_llama, loras):
     kwargs = dict(device="cuda", dtype="float32")
     lora_llm = LLM(str(tiny_llama), enable_lora=True, max_loras=4, max_lora_rank=16, **kwargs)
-    replayed = _record_replays(lora_llm)
+    replayed = record_replays(lora_llm)
     base_only = lora_llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     assert replayed and not any(key.with_lora for key in replayed)
     plain = LLM(str(tiny_llama), **kwargs).generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -96,7 +88,7 @@ def test_decode_steps_with_any_adapter_row_replay_graphs_with_the_lora_work(tiny
     llm = LLM(str(tiny_llama), device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
     for lora in loras:  # read now: admission never waits for a background read, so the first step admits all
         llm.engine.lora_manager.add(lora)
-    replayed = _record_replays(llm)
+    replayed = record_replays(llm)
     _mixed(llm, loras)  # every request then ends at the same step: every decode step has base and adapter rows
     assert replayed and all(key.with_lora for key in replayed)
 

@@ -19,7 +19,7 @@ from engine import LLM, LoRARequest, SamplingParams
 from engine.model import LoRALinear
 from engine.step_input import LoRAStep
 from kernels import lora_tuning
-from tests.engine.recording_graph import RecordingGraph
+from tests.engine.recording_graph import record_replays
 from tests.fresh_interpreter import run_pytest_interpreted, triton_interpreted_here
 from tests.kernels.lora_cases import record_calls
 from tests.tiny_models import make_peft_adapter
@@ -132,10 +132,7 @@ def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run
     for llm in (graphs, eager):
         for lora in adapters:
             llm.engine.lora_manager.add(lora)
-    replayed: list = []
-    captured = graphs.engine.runner.graphs.graphs
-    for key, graph in list(captured.items()):
-        captured[key] = RecordingGraph(graph, key, replayed)
+    replayed = record_replays(graphs)
     for rows in (ROW_ADAPTERS, list(reversed(ROW_ADAPTERS))):
         loras = [None if i is None else adapters[i] for i in rows]
         monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "1")
