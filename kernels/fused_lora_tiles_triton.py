@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
 from kernels.lora_triton import delta_tile, dot_f32, slot_stacks
@@ -39,10 +40,7 @@ class LoRATileConfig:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        for name in ("chunk", "block_r", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
+        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps"))
         if self.rows and (self.rows < 16 or self.rows & (self.rows - 1)):
             raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
 

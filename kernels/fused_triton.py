@@ -43,10 +43,7 @@ class LoRAOpConfig:
     chunks_per_program: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("chunk", "block_r", "num_warps"):
-            value = getattr(self, name)
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
+        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps"))
 
 
 # Winners of `benchmarks/fused_ops.py --tokens 64 128 --lora-only` on an H200 (Llama-3-8B shapes, 64 adapters

@@ -79,6 +79,14 @@ _EXPAND: dict[tuple[str, int, int], ExpandConfig] = {
 }
 
 
+def check_powers_of_two(config: object, names: tuple[str, ...]) -> None:
+    """Raise unless each named field of a launch config is a power of two (Triton's block shapes must be)."""
+    for name in names:
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of two, got {value}")
+
+
 def choose_path(num_tokens: int) -> str:
     return "sgmv" if num_tokens >= SGMV_MIN_TOKENS else "bgmv"
 
