@@ -71,16 +71,16 @@ class GraphKey(NamedTuple):
 
 
 def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],
-              tileable: Mapping[int, frozenset[str]] | None = None) -> GraphKey:
+              tileable: Mapping[int, frozenset[str]]) -> GraphKey:
     """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
     bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
-    uses one), and the folds that take the tiled variants in a bucket of that size with these rows
-    (`lora_tuning.tiled_decode_ops`). tileable: the folds each bucket was captured tiled with (`bucket_keys`),
-    so a switch changed since capture cannot name a graph that does not exist; None: as the switches say now."""
+    uses one), and, when the rows share few adapters (`lora_tuning.shares_few_adapters`), the folds that bucket
+    was captured tiled with (`tileable`, from `captured_tiled_folds`): a switch changed since capture cannot
+    name a graph that does not exist."""
     bucket = smallest_bucket(buckets, batch)
     if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
         return GraphKey(bucket, False)
-    ops = lora_tuning.tileable_decode_ops(bucket) if tileable is None else tileable[bucket]
+    ops = tileable[bucket]
     return GraphKey(bucket, True, ops if ops and lora_tuning.shares_few_adapters(lora_slots) else frozenset())
 
 
@@ -94,6 +94,12 @@ def bucket_keys(bucket: int, num_lora_slots: int) -> list[GraphKey]:
         if tileable:
             keys.append(GraphKey(bucket, True, tileable))
     return keys
+
+
+def captured_tiled_folds(buckets: list[int], num_lora_slots: int) -> dict[int, frozenset[str]]:
+    """The folds each bucket's graphs are captured tiled with (`bucket_keys`, whose tiled graph comes last where
+    there is one), as the switches say now: read once, at capture."""
+    return {bucket: bucket_keys(bucket, num_lora_slots)[-1].tiled_folds for bucket in buckets}
 
 
 class StagedBlockTables:
@@ -150,8 +156,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
-        # the folds each bucket's graphs were captured tiled with: the switches are read once, at capture
-        self.tileable: dict[int, frozenset[str]] = {}
+        self.tileable = captured_tiled_folds(self.buckets, num_lora_slots)
         self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
         self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots else None
         self._capture_all()
@@ -178,9 +183,7 @@ class DecodeGraphs:
         for size in reversed(self.buckets):
             if self.num_lora_slots:
                 self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
-            keys = bucket_keys(size, self.num_lora_slots)
-            self.tileable[size] = keys[-1].tiled_folds  # the tiled graph comes last, where there is one
-            for key in reversed(keys):
+            for key in reversed(bucket_keys(size, self.num_lora_slots)):
                 self._capture(key, pool)
         torch.cuda.synchronize()
 

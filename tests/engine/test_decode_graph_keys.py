@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cuda_graphs import GraphKey, bucket_keys, default_buckets, graph_key
+from engine.cuda_graphs import GraphKey, bucket_keys, captured_tiled_folds, default_buckets, graph_key
 from kernels import lora_tuning
 
 BUCKETS = default_buckets(64)  # 1, 2, 4, 8, 16, 32, 48, 64
 TILED = frozenset({"silu_and_mul"})
+
+
+def key(num_lora_slots: int, batch: int, lora_slots: list[int]) -> GraphKey:
+    """The key of a step on graphs captured now, with the switches as they are."""
+    return graph_key(BUCKETS, num_lora_slots, batch, lora_slots, captured_tiled_folds(BUCKETS, num_lora_slots))
 
 
 @pytest.fixture(autouse=True)
@@ -19,38 +24,38 @@ def _default_switches(monkeypatch):
 
 
 def test_a_step_replays_the_smallest_bucket_that_holds_its_rows():
-    assert [graph_key(BUCKETS, 0, batch, [-1] * batch).bucket for batch in (1, 3, 8, 9, 33, 64)] == \
+    assert [key(0, batch, [-1] * batch).bucket for batch in (1, 3, 8, 9, 33, 64)] == \
         [1, 4, 8, 16, 48, 64]
 
 
 def test_a_step_whose_rows_use_no_adapter_replays_the_graph_without_the_lora_work():
-    assert graph_key(BUCKETS, 4, 5, [-1] * 5) == GraphKey(8, False)
-    assert graph_key(BUCKETS, 4, 40, [-1] * 40) == GraphKey(48, False)
+    assert key(4, 5, [-1] * 5) == GraphKey(8, False)
+    assert key(4, 40, [-1] * 40) == GraphKey(48, False)
 
 
 def test_one_adapter_row_is_enough_for_the_graph_with_the_lora_work():
-    assert graph_key(BUCKETS, 4, 5, [-1, -1, -1, 0, -1]) == GraphKey(8, True)
-    assert graph_key(BUCKETS, 4, 2, [3, 1]) == GraphKey(2, True)
+    assert key(4, 5, [-1, -1, -1, 0, -1]) == GraphKey(8, True)
+    assert key(4, 2, [3, 1]) == GraphKey(2, True)
 
 
 def test_many_rows_on_few_adapters_replay_the_graph_with_the_tiled_fold():
-    assert graph_key(BUCKETS, 4, 32, [2] * 32) == GraphKey(32, True, TILED)
-    assert graph_key(BUCKETS, 4, 64, [i % 4 for i in range(64)]) == GraphKey(64, True, TILED)
+    assert key(4, 32, [2] * 32) == GraphKey(32, True, TILED)
+    assert key(4, 64, [i % 4 for i in range(64)]) == GraphKey(64, True, TILED)
 
 
 def test_rows_spread_over_many_adapters_replay_the_per_token_fold():
-    assert graph_key(BUCKETS, 16, 64, [i % 16 for i in range(64)]) == GraphKey(64, True)
+    assert key(16, 64, [i % 16 for i in range(64)]) == GraphKey(64, True)
 
 
 def test_the_bucket_not_the_batch_decides_whether_a_step_may_tile():
     """25 rows on one adapter fill the 32-row bucket: its size is what the kernels launch over."""
-    assert graph_key(BUCKETS, 4, 25, [1] * 25) == GraphKey(32, True, TILED)
-    assert graph_key(BUCKETS, 4, 16, [1] * 16) == GraphKey(16, True)
+    assert key(4, 25, [1] * 25) == GraphKey(32, True, TILED)
+    assert key(4, 16, [1] * 16) == GraphKey(16, True)
 
 
 def test_the_tiled_fold_is_not_chosen_when_switched_off(monkeypatch):
     monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
-    assert graph_key(BUCKETS, 4, 64, [0] * 64) == GraphKey(64, True)
+    assert key(4, 64, [0] * 64) == GraphKey(64, True)
 
 
 @pytest.mark.parametrize("bucket", BUCKETS)
@@ -66,8 +71,8 @@ def test_a_bucket_without_adapter_slots_is_captured_once():
 def test_every_key_a_step_can_take_is_captured():
     for batch in range(1, 65):
         for spread in (1, 2, 4, 8, 16, 64):
-            key = graph_key(BUCKETS, 64, batch, [i % spread for i in range(batch)])
-            assert key in bucket_keys(key.bucket, 64)
+            step_key = key(64, batch, [i % spread for i in range(batch)])
+            assert step_key in bucket_keys(step_key.bucket, 64)
 
 
 @pytest.mark.parametrize("env", [lora_tuning.DECODE_TILES_ENV, lora_tuning.FOLD_EXPAND_ENV])
@@ -75,14 +80,14 @@ def test_a_switch_turned_on_after_capture_names_no_graph_that_was_not_captured(m
     """The graphs were captured with the switch off (no tiled graph); the keys read the folds they were captured
     tiled with (`DecodeGraphs.tileable`), not the switch as it is now."""
     monkeypatch.setenv(env, "0")
-    captured = {bucket: bucket_keys(bucket, 4) for bucket in BUCKETS}
-    tileable = {bucket: keys[-1].tiled_folds for bucket, keys in captured.items()}
+    captured = bucket_keys(64, 4)
+    tileable = captured_tiled_folds(BUCKETS, 4)
     monkeypatch.setenv(env, "1")
-    key = graph_key(BUCKETS, 4, 64, [0] * 64, tileable)
-    assert key in captured[64] and key == GraphKey(64, True)
+    step_key = graph_key(BUCKETS, 4, 64, [0] * 64, tileable)
+    assert step_key in captured and step_key == GraphKey(64, True)
 
 
 def test_a_switch_turned_off_after_capture_keeps_the_tiled_graph_it_captured(monkeypatch):
-    tileable = {bucket: bucket_keys(bucket, 4)[-1].tiled_folds for bucket in BUCKETS}
+    tileable = captured_tiled_folds(BUCKETS, 4)
     monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
     assert graph_key(BUCKETS, 4, 64, [0] * 64, tileable) == GraphKey(64, True, TILED)
