@@ -38,6 +38,8 @@ def main() -> None:
                              "model, in the LoRA engine), one run each")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="full_decode_only builds the engines faster; decode steps replay the same graphs")
+    parser.add_argument("--profile", action="store_true",
+                        help="write each row's kernels by GPU time (eager step and graph replay) to DIR/profile_*.txt")
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
@@ -55,7 +57,8 @@ def main() -> None:
             # a first run warms the step as serving's runs do (first replays, the sampler's first calls); its
             # figures are dropped
             decode_step_profile(engine, batch, args.prompt_len, loras, vocab)
-            row = decode_step_profile(engine, batch, args.prompt_len, loras, vocab)
+            profile_to = args.out / f"profile_{label.replace(' ', '_')}_b{batch}.txt" if args.profile else None
+            row = decode_step_profile(engine, batch, args.prompt_len, loras, vocab, profile_to)
             distinct = len({lora.lora_int_id for lora in loras if lora is not None})
             row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth)
             row["over_floor"] = row["step_wall_ms"] / row["floor_ms"]

@@ -246,22 +246,6 @@ def _kernel_table(run) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
-def _step_profiles(engine: LLMEngine) -> str:
-    """Per-kernel GPU time of one decode step of the running batch, run eagerly and replayed from its graph
-    (which folds the LoRA expands into the fused ops and runs the shrinks on a side stream)."""
-    from engine.scheduler import ScheduledSequence
-
-    scheduled = [ScheduledSequence(seq, 1) for seq in engine.scheduler.running]
-    slots = [engine.lora_manager.slot_for(s.seq.request.lora_request) if engine.lora_manager else -1
-             for s in scheduled]
-    step = engine.runner.build_step(scheduled, slots)
-    eager = _kernel_table(lambda: engine.model(step, engine.runner.kv_caches))
-    graphs = engine.runner.graphs
-    key = graphs.key(len(scheduled), slots)
-    replayed = _kernel_table(graphs.graphs[key].replay)
-    return f"eager step\n{eager}\n\ngraph replay (bucket {key[0]}; its static inputs as the last step left them)\n{replayed}"
-
-
 def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int,
                         profile_to: Path | None = None) -> dict:
     """Wall time per decode step at a fixed batch (40 steps back to back) and the GPU time of one (its graph
@@ -279,9 +263,9 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
             engine.step()
         torch.cuda.synchronize()
         wall_ms = 1e3 * (time.perf_counter() - t) / steps
+    if profile_to is not None:  # two more steps of the same batch: the graph replay as serving runs it
+        profile_to.write_text(f"decode step, batch {batch_size}\n{_kernel_table(engine.step)}")
     engine.drain()  # the running sequences' last tokens are real again (async scheduling leaves one in flight)
-    if profile_to is not None:
-        profile_to.write_text(_step_profiles(engine))
     # the graph the steps replayed: it depends on the rows' adapter slots (`lora_tuning.tiled_decode_ops`)
     slots = [engine.lora_manager.slot_for(lora) if engine.lora_manager else -1 for lora in loras]
     for request_id in list(engine.requests):
