@@ -95,12 +95,9 @@ LORA_TILE_VARIANTS: dict[str, list[LoRATileConfig]] = {
     "add_rms_norm": [LoRATileConfig(chunk, 16, warps, rows) for chunk, warps, rows in
                      [(128, 4, 16), (256, 4, 16), (256, 8, 16), (512, 8, 16), (256, 8, 32), (512, 8, 32),
                       (256, 8, 0), (512, 16, 0)]],
-    # (columns, warps, rows per program, column chunks a program walks, pipelining depth)
-    "silu_and_mul": [LoRATileConfig(chunk, 16, warps, rows, stages, chunks) for chunk, warps, rows, chunks, stages in
-                     [(64, 4, 0, 1, 2), (128, 4, 0, 1, 2), (64, 4, 32, 1, 2), (128, 4, 32, 1, 2), (256, 8, 32, 1, 2),
-                      (128, 4, 16, 1, 2), (256, 4, 16, 1, 2), (128, 4, 16, 4, 2), (128, 4, 16, 8, 2),
-                      (128, 4, 16, 4, 3), (64, 4, 16, 8, 2), (64, 4, 16, 8, 3), (256, 4, 16, 4, 2),
-                      (128, 4, 32, 4, 2), (64, 4, 32, 8, 2), (128, 8, 32, 4, 3)]],
+    "silu_and_mul": [LoRATileConfig(chunk, 16, warps, rows) for chunk, warps, rows in
+                     [(64, 4, 0), (128, 4, 0), (128, 8, 0), (256, 8, 0), (64, 4, 32), (128, 4, 32), (256, 8, 32),
+                      (128, 4, 16), (256, 4, 16)]],
     # heads per program, warps, rows per program
     "rotary_and_write_kv": [LoRATileConfig(heads, 16, warps, rows) for heads, warps, rows in
                             [(1, 4, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0), (1, 4, 16), (2, 4, 16), (4, 4, 16),
@@ -250,8 +247,8 @@ def _variants(op: str) -> list[tuple[str, LoRAOpConfig]]:
 def _tile_variants(op: str, adapters: int) -> list[tuple[str, LoRATileConfig]]:
     default = LORA_TILE_CONFIGS[op]
     configs = [default] + [c for c in LORA_TILE_VARIANTS[op] if c != default]
-    return [(f"{op}+lora a{adapters} tile c{c.chunk}x{c.chunks} r{c.block_r} w{c.num_warps} m{c.rows or 'tile'} "
-             f"s{c.num_stages}{'*' if c == default else ''}", c) for c in configs]
+    return [(f"{op}+lora a{adapters} tile c{c.chunk} r{c.block_r} w{c.num_warps} m{c.rows or 'tile'}"
+             f"{'*' if c == default else ''}", c) for c in configs]
 
 
 def _lora_cases(inp: Inputs) -> dict[str, Case]:

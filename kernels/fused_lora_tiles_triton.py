@@ -31,19 +31,16 @@ class LoRATileConfig:
     """Launch shape of a tiled variant: `chunk` columns per program (silu_and_mul), per step of a row walk
     (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16;
     larger ranks loop); `rows`: token rows per program, a part of a tile (0: the whole tile), for more programs
-    when there are few tiles; `num_stages`: Triton's software pipelining depth; `chunks`: column chunks one
-    program walks in turn (silu_and_mul), so that the tile's token indices, slot and h rows are looked up once for
-    several chunks and the next chunk's loads can start under the current one's math."""
+    when there are few tiles; `num_stages`: Triton's software pipelining depth."""
 
     chunk: int
     block_r: int
     num_warps: int
     rows: int = 0
     num_stages: int = 2
-    chunks: int = 1
 
     def __post_init__(self) -> None:
-        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps", "chunks"))
+        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps"))
         if self.rows and (self.rows < 16 or self.rows & (self.rows - 1)):
             raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
 
@@ -110,32 +107,30 @@ def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, 
 def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
                                tile_slot_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up, stride_hn,
                                stride_ht, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                               CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+                               BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
                                               tl.program_id(0), tl.program_id(2), ROWS)
     if not has_rows:
         return
-    h_rows = h_ptr + rows[:, None] * stride_ht
-    adapter = tl.maximum(slot, 0).to(tl.int64)
-    b_gate_ptr += adapter * stride_bs_gate
-    b_up_ptr += adapter * stride_bs_up
-    for c in range(CHUNKS):
-        cols = (tl.program_id(1) * CHUNKS + c) * CHUNK + tl.arange(0, CHUNK)
-        col_mask = cols < n
-        mask = in_use[:, None] & col_mask[None, :]
-        x_rows = x_ptr + rows[:, None] * stride_x + cols[None, :]
-        gate = tl.load(x_rows, mask=mask, other=0.0)
-        up = tl.load(x_rows + n, mask=mask, other=0.0)
-        if slot >= 0:
-            gate = _plus_delta_tile(gate, h_rows, in_use, b_gate_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
-            up = _plus_delta_tile(up, h_rows + stride_hn, in_use, b_up_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
-        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
+    cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    col_mask = cols < n
+    mask = in_use[:, None] & col_mask[None, :]
+    x_rows = x_ptr + rows[:, None] * stride_x + cols[None, :]
+    gate = tl.load(x_rows, mask=mask, other=0.0)
+    up = tl.load(x_rows + n, mask=mask, other=0.0)
+    if slot >= 0:
+        h_rows = h_ptr + rows[:, None] * stride_ht
+        gate = _plus_delta_tile(gate, h_rows, in_use, b_gate_ptr + slot.to(tl.int64) * stride_bs_gate, cols,
+                                col_mask, R, ROWS, BLOCK_R, DOT_F32)
+        up = _plus_delta_tile(up, h_rows + stride_hn, in_use, b_up_ptr + slot.to(tl.int64) * stride_bs_up, cols,
+                              col_mask, R, ROWS, BLOCK_R, DOT_F32)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
 
 
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate + delta) * (up + delta) for gate_up [T, 2N], into `out` [T, N] when given: a grid of (tile,
-    `config.chunks` chunks of `config.chunk` columns, part of the tile); gate_up stays as it is."""
+    chunk of `config.chunk` columns, part of the tile); gate_up stays as it is."""
     rows, width = gate_up.shape
     n = width // 2
     if out is None:
@@ -144,10 +139,9 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
         return out
     config = config or LORA_TILE_CONFIGS["silu_and_mul"]
     chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
-    chunks = min(config.chunks, triton.next_power_of_2(triton.cdiv(n, chunk)))
-    grid = (lora.meta.num_tiles, triton.cdiv(n, chunk * chunks), _row_blocks(lora, config))
+    grid = (lora.meta.num_tiles, triton.cdiv(n, chunk), _row_blocks(lora, config))
     _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
-                                     CHUNK=chunk, CHUNKS=chunks, **_launch(lora, config))
+                                     CHUNK=chunk, **_launch(lora, config))
     return out
 
 

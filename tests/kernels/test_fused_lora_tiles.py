@@ -65,10 +65,8 @@ def _launches():
     from kernels.fused_lora_tiles_triton import LoRATileConfig
 
     small = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=16)
-    walking = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=16, chunks=4)
     return [pytest.param(Launch(16, 12), id="tile16-default"),
-            pytest.param(Launch(32, 20, small), id="tile32-in-parts-rank20"),
-            pytest.param(Launch(16, 16, walking), id="tile16-walking-chunks")]
+            pytest.param(Launch(32, 20, small), id="tile32-in-parts-rank20")]
 
 
 @pytest.fixture(params=PATTERNS.values(), ids=PATTERNS.keys())
