@@ -250,7 +250,9 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
                         profile_to: Path | None = None) -> dict:
     """Wall time per decode step at a fixed batch (40 steps back to back) and the GPU time of one (its graph
     replayed alone), for the floor ratio and the GPU-idle fraction."""
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    # no sequence may end before the replays below: a step of fewer rows would leave the bucket's graph inputs
+    # past its rows stale (the staging's placeholder ids, which the graph then embeds)
+    params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context, ignore_eos=True)
     for prompt, lora in zip(prompts(batch_size, context, vocab, seed=7), loras):
         engine.add_request(prompt, params, lora)
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
