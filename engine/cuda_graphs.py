@@ -182,7 +182,8 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             if self.num_lora_slots:
-                self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device)
+                self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device,
+                                                                  block_m=lora_tuning.DECODE_BLOCK_M)
             for key in reversed(bucket_keys(size, self.num_lora_slots)):
                 self._capture(key, pool)
         torch.cuda.synchronize()
