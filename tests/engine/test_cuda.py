@@ -48,6 +48,19 @@ def test_cuda_float32_with_graphs_matches_the_cpu(tiny_llama, loras):
         assert lp == pytest.approx(ref_lp, abs=1e-2)
 
 
+def test_decode_steps_of_512_rows_match_the_cpu_in_float32(tiny_llama, loras):
+    """The top buckets' graphs: 512 decode rows on adapters, in 16-row LoRA tiles (`DECODE_BLOCK_M`) where eager
+    steps of as many tokens take 64-row ones."""
+    kwargs = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=512)
+    prompts = [f"{prompt} {i}" for i in range(128) for prompt in PROMPTS[:4]]
+    requests = [[None, *loras][i % 4] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {device: LLM(str(tiny_llama), device=device, **kwargs).generate(prompts, params, lora_request=requests,
+                                                                             use_tqdm=False)
+               for device in ("cpu", "cuda")}
+    assert _tokens(outputs["cuda"]) == _tokens(outputs["cpu"])
+
+
 def test_triton_lora_kernels_agree_with_the_torch_path_end_to_end(tiny_llama, loras, monkeypatch):
     kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,
                   enforce_eager=True)
