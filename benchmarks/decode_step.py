@@ -42,7 +42,7 @@ def main() -> None:
                         help="write each row's kernels by GPU time (eager step and graph replay) to DIR/profile_*.txt")
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
-    args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
+    args.device, args.adapter_reader, args.admission_order, args.freeze_heap = "cuda", "threads", "fcfs", False
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(Path(args.work), args.shape)

@@ -183,6 +183,31 @@ def untime_phases(engine: LLMEngine) -> None:
         owner.__dict__.pop(name, None)
 
 
+@contextlib.contextmanager
+def collector_pauses():
+    """Each cyclic garbage collection while the block runs, as (generation, seconds). Unless `--freeze-heap`
+    froze it, a collection of the oldest generation walks the whole start-up heap while every step waits."""
+    pauses, began = [], []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            began.append(time.perf_counter())
+        else:
+            pauses.append((info["generation"], time.perf_counter() - began.pop()))
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
+
+
+def _pause_summary(pauses: list[tuple[int, float]]) -> dict:
+    oldest = [seconds for generation, seconds in pauses if generation == 2]
+    return dict(gc_collections=len(pauses), gc_seconds=sum(seconds for _, seconds in pauses),
+                gc_oldest_collections=len(oldest), gc_oldest_seconds=sum(oldest))
+
+
 def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int,
             timeline_to: Path | None = None) -> dict:
     """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls."""
@@ -195,21 +220,22 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     decode_walls, batch_sizes, timeline = [], [], []
     phases = time_phases(engine) if timeline_to is not None else {}
     before = engine.stats()
-    while engine.has_unfinished_requests():
-        prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
-        t = time.perf_counter()
-        engine.step()
-        wall = time.perf_counter() - t
-        after = engine.stats()
-        decode_only = prefilled and after.num_waiting == before.num_waiting  # nothing admitted or preempted
-        batch_sizes.append(after.num_running)
-        if decode_only:
-            decode_walls.append(wall)
-        timeline.append(dict(ms=round(1e3 * wall, 3), running=after.num_running, waiting=after.num_waiting,
-                             decode_only=decode_only, slot_loads=after.lora_slot_loads - before.lora_slot_loads,
-                             disk_reads=after.lora_disk_reads - before.lora_disk_reads,
-                             **{f"{name}_ms": round(1e3 * phases.pop(name, 0.0), 3) for name in PHASES}))
-        before = after
+    with collector_pauses() as pauses:
+        while engine.has_unfinished_requests():
+            prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
+            t = time.perf_counter()
+            engine.step()
+            wall = time.perf_counter() - t
+            after = engine.stats()
+            decode_only = prefilled and after.num_waiting == before.num_waiting  # nothing admitted or preempted
+            batch_sizes.append(after.num_running)
+            if decode_only:
+                decode_walls.append(wall)
+            timeline.append(dict(ms=round(1e3 * wall, 3), running=after.num_running, waiting=after.num_waiting,
+                                 decode_only=decode_only, slot_loads=after.lora_slot_loads - before.lora_slot_loads,
+                                 disk_reads=after.lora_disk_reads - before.lora_disk_reads,
+                                 **{f"{name}_ms": round(1e3 * phases.pop(name, 0.0), 3) for name in PHASES}))
+            before = after
     sync()
     elapsed = time.perf_counter() - start
     untime_phases(engine)
@@ -220,7 +246,7 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
                 idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls),
-                **_stalls(decode_walls))
+                **_stalls(decode_walls), **_pause_summary(pauses))
 
 
 def _stalls(decode_walls: list[float]) -> dict:
@@ -442,11 +468,16 @@ def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_batched_tokens, **settings)
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    if args.freeze_heap:
+        freeze_startup_heap()
+    return engine
 
 
 def release_gpu_memory() -> None:
-    """After the caller dropped its engine: collect it now and return its memory to the device."""
+    """After the caller dropped its engine: collect it now (unfrozen, if `--freeze-heap` froze it) and return its
+    memory to the device."""
+    gc.unfreeze()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -488,6 +519,9 @@ def main() -> None:
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="CUDA graphs for decode steps only, or for mixed steps' pieces too (EngineConfig)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
+    parser.add_argument("--freeze-heap", action="store_true",
+                        help="freeze each engine's start-up heap out of the garbage collector's reach, as `loraserve "
+                             "serve` does (by default only the online run does)")
     args = parser.parse_args()
     began = time.perf_counter()
     out = Path(args.out)

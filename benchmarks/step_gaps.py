@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, args.batch, 8192
-    args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
+    args.device, args.adapter_reader, args.admission_order, args.freeze_heap = "cuda", "threads", "fcfs", False
     shape = "llama3-8b"
     model_dir = make_model_dir(Path(args.work), shape)
     loras = [None] * args.batch
