@@ -1,6 +1,11 @@
-"""Offline sm_90 audit of the Triton kernels of a loraserve LoRA decode step (no GPU needed).
+"""Offline sm_90 audit of the Triton kernels of a loraserve LoRA step (no GPU needed).
 
-Run from the repository root:  TRITON_DEFAULT_FP_FUSION=1 .venv/bin/python benchmarks/sm90_audit.py [--out FILE] [--whatif] [--dump DIR]
+Run from the repository root:
+
+    TRITON_DEFAULT_FP_FUSION=1 .venv/bin/python benchmarks/sm90_audit.py [--batches 64 8192] [--out FILE] [--whatif]
+                                                                          [--dump DIR]
+
+A batch of 129 tokens or more audits the segment path (SGMV shrinks, the fused ops' tiled variants).
 
 How: Triton's active driver is replaced by a stub whose target is GPUTarget("cuda", 90, 32); every
 `kernel[grid](...)` launch is turned into a warm-up (compile only) and recorded. The real wrappers
@@ -9,7 +14,8 @@ are called with CPU tensors of the Llama-3-8B decode shapes (bf16), so constexpr
 argument specialisations (alignment, ==1 strides) are exactly what the wrappers pass. PDL is forced on
 and the multiprocessor count set to 132 (H200), as on the device. Registers / stack / local memory come
 from `cuobjdump -res-usage` on the cubin, LDL/STL/LDG counts from `nvdisasm`, dependent-load depth from
-the TTGIR (a load's depth = 1 + deepest load feeding its operands; iter_args follow their init values).
+the TTGIR (a load's depth = 1 + deepest load feeding its operands; iter_args follow their init values), and so do
+the layout conversions and the tensors staged through shared memory (`ttg.convert_layout`, `ttg.local_alloc`).
 """
 from __future__ import annotations
 
@@ -245,16 +251,19 @@ def row(s: dict) -> dict:
     warps = kern.metadata.num_warps
     blocks, limit = _occupancy(res["regs"], smem, warps)
     programs = math.prod(s["grid"])
+    ttgir = kern.asm["ttgir"]
     return dict(**{k: s[k] for k in ("label", "variant", "batch", "fn", "grid")}, warps=warps,
                 stages=kern.metadata.num_stages, smem=smem, programs=programs, blocks_per_sm=blocks, limit=limit,
-                occ_warps=blocks * warps, waves=programs / (blocks * SMS), **res, **chains)
+                occ_warps=blocks * warps, waves=programs / (blocks * SMS), **res, **chains,
+                conversions=ttgir.count("ttg.convert_layout"), staged=ttgir.count("ttg.local_alloc"))
 
 
 def markdown(rows: list[dict]) -> str:
     head = ("| batch | kernel (variant) | Triton fn | grid | warps | regs/thr | spill (STACK/LOCAL B, LDL/STL) "
             "| smem B | blocks/SM (limit) | warps/SM (occ.) | programs / resident (waves) "
-            "| LDG (SASS) | tt.load: total / dep. on a load / max chain / under load-cond if |\n")
-    head += "|" + "---|" * 13 + "\n"
+            "| LDG (SASS) | tt.load: total / dep. on a load / max chain / under load-cond if "
+            "| layout conversions / tensors staged in smem (TTGIR) |\n")
+    head += "|" + "---|" * 14 + "\n"
     lines = []
     for r in rows:
         lines.append(
@@ -262,7 +271,7 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['warps']} | {r['regs']} | {r['stack']}/{r['local']}, {r['ldl']}/{r['stl']} | {r['smem']} "
             f"| {r['blocks_per_sm']} ({r['limit']}) | {r['occ_warps']} ({100 * r['occ_warps'] // MAX_WARPS}%) "
             f"| {r['programs']} / {r['blocks_per_sm'] * SMS} ({r['waves']:.2f}) | {r['ldg']} "
-            f"| {r['loads']} / {r['dependent']} / {r['max_depth']} / {r['guarded']} |")
+            f"| {r['loads']} / {r['dependent']} / {r['max_depth']} / {r['guarded']} | {r['conversions']} / {r['staged']} |")
     return head + "\n".join(lines) + "\n"
 
 
