@@ -113,6 +113,8 @@ def main() -> None:
         max_model_len=2 * args.prompt_len + args.steps + 64, max_num_seqs=max(args.decode_rows) + args.prompts,
         max_num_batched_tokens=args.prompts * args.prompt_len + max(args.decode_rows), enable_lora=True,
         max_loras=MAX_ADAPTERS, max_cpu_loras=MAX_ADAPTERS, max_lora_rank=16, cudagraph_mode=args.cudagraph_mode))
+    for adapter in adapters:  # read now: a step never waits for a background read, it admits without the prompt
+        engine.lora_manager.add(adapter)
     vocab = engine.hf_config.vocab_size
     results = []
     for decode_rows in args.decode_rows:
