@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="write each row's kernels by GPU time (eager step and graph replay) to DIR/profile_*.txt")
     parser.add_argument("--freeze-heap", action="store_true",
-                        help="freeze each engine's start-up heap out of the garbage collector's reach, as the server does")
+                        help="freeze each engine's start-up heap out of the collector's reach, as the server does")
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
