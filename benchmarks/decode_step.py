@@ -39,7 +39,7 @@ def main() -> None:
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="full_decode_only builds the engines faster; decode steps replay the same graphs")
     parser.add_argument("--profile", action="store_true",
-                        help="write each row's kernels by GPU time (eager step and graph replay) to DIR/profile_*.txt")
+                        help="write each row's kernels by GPU time (one engine step) to DIR/profile_*.txt")
     parser.add_argument("--freeze-heap", action="store_true",
                         help="freeze each engine's start-up heap out of the collector's reach, as the server does")
     args = parser.parse_args()

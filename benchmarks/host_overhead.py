@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.serving import finish_prefills, make_adapters, make_model_dir
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from tests.tiny_models import make_peft_adapter, make_tiny_model
 
@@ -220,9 +221,7 @@ def prepare(setup: Setup, batch: int, lora: bool, steps: int) -> LLMEngine:
     """An engine whose whole batch has finished prefill, warmed up by a few decode steps."""
     engine = build_engine(setup, batch, lora, steps)
     add_requests(engine, batch, setup.adapters if lora else None, setup.prompt_len, max_tokens=2 * steps + 8)
-    while any(seq.num_computed_tokens < seq.num_prompt_tokens for seq in engine.scheduler.running) \
-            or engine.scheduler.waiting:
-        engine.step()
+    finish_prefills(engine)
     run_steps(engine, 3)
     return engine
 
@@ -274,10 +273,8 @@ def tiny_setup(workdir: Path, device: str) -> Setup:
 
 def llama3_8b_setup(workdir: Path, device: str, prompt_len: int) -> Setup:
     """Llama-3-8B's shapes with random weights in bfloat16, and 64 adapters of rank 16 (serving.py's)."""
-    from benchmarks import serving
-
-    model_dir = serving.make_model_dir(workdir, "llama3-8b")
-    adapters = serving.make_adapters(workdir / "adapters", model_dir, "llama3-8b", NUM_ADAPTERS, unique=4)
+    model_dir = make_model_dir(workdir, "llama3-8b")
+    adapters = make_adapters(workdir / "adapters", model_dir, "llama3-8b", NUM_ADAPTERS, unique=4)
     return Setup(model_dir, adapters, device, dtype="bfloat16", load_format="dummy", max_lora_rank=16,
                  prompt_len=prompt_len)
 

@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.host_overhead import NUM_ADAPTERS, Setup, build_engine, llama3_8b_setup, tiny_setup  # noqa: E402
+from benchmarks.serving import finish_prefills  # noqa: E402
 from engine import LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 
@@ -132,9 +133,7 @@ def main() -> None:
             results.append(built)
             print(f"{ {k: v for k, v in built.items() if k != 'build_profile'} }", flush=True)
             add(engine, setup, 0, args.decode, args.prompt_len, max_tokens=args.steps * len(args.admit) * 2 + 16)
-            while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens
-                                                  for s in engine.scheduler.running):
-                engine.step()
+            finish_prefills(engine)
             for admit in args.admit:
                 mixed_steps(engine, setup, 2, admit, args.prompt_len, profile=False)  # warm: compiles, slot loads
                 r = dict(mode=mode) | mixed_steps(engine, setup, args.steps, admit, args.prompt_len, profile=True)

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving import SHAPES, make_adapters, make_model_dir, prompts, sync  # noqa: E402
+from benchmarks.serving import SHAPES, finish_prefills, make_adapters, make_model_dir, prompts, sync  # noqa: E402
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 
@@ -46,11 +46,11 @@ def start_decode_rows(engine: LLMEngine, rows: int, context: int, vocab: int, ad
     params = SamplingParams(temperature=0.0, max_tokens=steps + 16, ignore_eos=True)
     for i, prompt in enumerate(prompts(rows, context, vocab, seed=11)):
         engine.add_request(prompt, params, adapter_for(i, adapters, spread))
-    while engine.scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running):
-        engine.step()
+    finish_prefills(engine)
 
 
-def kernel_profile(engine: LLMEngine, batch: list[list[int]], adapters: list[LoRARequest], spread: int) -> tuple[str, float]:
+def kernel_profile(engine: LLMEngine, batch: list[list[int]], adapters: list[LoRARequest],
+                   spread: int) -> tuple[str, float]:
     """One admitting step's kernels by GPU time, and the share of it in LoRA kernels (ms)."""
     from torch.profiler import ProfilerActivity, profile
 

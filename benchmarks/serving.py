@@ -272,6 +272,13 @@ def _kernel_table(run) -> str:
     return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
 
 
+def finish_prefills(engine: LLMEngine) -> None:
+    """Steps the engine until nothing waits and every running sequence has its prompt computed."""
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(s.num_computed_tokens < s.num_prompt_tokens for s in scheduler.running):
+        engine.step()
+
+
 def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras: list, vocab: int,
                         profile_to: Path | None = None) -> dict:
     """Wall time per decode step at a fixed batch (40 steps back to back) and the GPU time of one (its graph
@@ -281,8 +288,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
     params = SamplingParams(temperature=0, max_tokens=engine.max_model_len - context, ignore_eos=True)
     for prompt, lora in zip(prompts(batch_size, context, vocab, seed=7), loras):
         engine.add_request(prompt, params, lora)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    finish_prefills(engine)
     steps = 40
     torch.cuda.synchronize()
     with _timed_token_waits() as waits:

@@ -271,7 +271,8 @@ def markdown(rows: list[dict]) -> str:
             f"| {r['warps']} | {r['regs']} | {r['stack']}/{r['local']}, {r['ldl']}/{r['stl']} | {r['smem']} "
             f"| {r['blocks_per_sm']} ({r['limit']}) | {r['occ_warps']} ({100 * r['occ_warps'] // MAX_WARPS}%) "
             f"| {r['programs']} / {r['blocks_per_sm'] * SMS} ({r['waves']:.2f}) | {r['ldg']} "
-            f"| {r['loads']} / {r['dependent']} / {r['max_depth']} / {r['guarded']} | {r['conversions']} / {r['staged']} |")
+            f"| {r['loads']} / {r['dependent']} / {r['max_depth']} / {r['guarded']} "
+            f"| {r['conversions']} / {r['staged']} |")
     return head + "\n".join(lines) + "\n"
 
 

@@ -20,7 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving import SHAPES, build_engine, make_adapters, make_model_dir, prompts  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    SHAPES, build_engine, finish_prefills, make_adapters, make_model_dir, prompts,
+)
 from engine import LoRARequest, SamplingParams  # noqa: E402
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -72,8 +74,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.steps * 2 + 16, ignore_eos=True)
     for prompt, lora in zip(prompts(args.batch, args.prompt_len, SHAPES[shape]["vocab_size"], seed=7), loras):
         engine.add_request(prompt, params, lora)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()
+    finish_prefills(engine)
     for _ in range(5):
         engine.step()
     torch.cuda.synchronize()
