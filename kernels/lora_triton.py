@@ -194,13 +194,8 @@ def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, BLOCK_M: tl.constexpr, BL
         r_mask = offs_r < R
         hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
         bv = tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        if bv.dtype == tl.float32:
-            acc = _dot_acc(acc, hv, bv, DOT_F32)
-        else:
-            # h is float32: split it into two 16-bit halves so the tensor-core dot keeps ~16 bits of it.
-            hi = hv.to(bv.dtype)
-            acc = _dot_acc(acc, hi, bv, DOT_F32)
-            acc = _dot_acc(acc, (hv - hi.to(tl.float32)).to(bv.dtype), bv, DOT_F32)
+        # h is float32; rounded to B's dtype, as peft's lora_B receives lora_A's output.
+        acc = _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
     return acc
 
 
