@@ -45,6 +45,7 @@ def expand_slices(y: torch.Tensor, h: torch.Tensor, b_slices: Sequence[torch.Ten
         col = 0
         for i, b in enumerate(b_slices):
             width = b.shape[1]
-            ys[:, col : col + width] += h[i].index_select(0, rows) @ b[slot].float().T
+            # h rounded to B's dtype, as peft's lora_B receives lora_A's output
+            ys[:, col : col + width] += h[i].index_select(0, rows).to(b.dtype).float() @ b[slot].float().T
             col += width
         y.index_copy_(0, rows, ys.to(y.dtype))

@@ -177,7 +177,8 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
         r_mask = offs_r < R
         hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
         bv = tl.load(b_ptr + rows[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
-        acc += tl.sum(bv.to(tl.float32) * hv[None, :], axis=1)
+        # h rounded to B's dtype, as peft's lora_B receives lora_A's output (and as `delta_tile` does)
+        acc += tl.sum(bv.to(tl.float32) * hv.to(bv.dtype).to(tl.float32)[None, :], axis=1)
     return acc
 
 

@@ -130,6 +130,19 @@ def test_expand_adds_into_half_precision_outputs(impl, dtype):
     check_expand(impl, PATTERNS["unsorted_with_empty_groups"], dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_expand_takes_h_rounded_to_the_weights_dtype_as_peft_does(impl, dtype):
+    """peft's lora_B receives lora_A's output in the adapter's dtype. h = 1 + eps/4 rounds to 1 there, so
+    y = -rank plus rank products of 1 is exactly 0; an unrounded h would leave 5 eps in y."""
+    pattern = PATTERNS["unsorted_with_empty_groups"]
+    base = slots_tensor(pattern, DEVICE) < 0
+    h = torch.full((len(WIDTHS), len(pattern), RANK), 1 + torch.finfo(dtype).eps / 4, device=DEVICE)
+    b_slices = [torch.ones(NUM_SLOTS, width, RANK, dtype=dtype, device=DEVICE) for width in WIDTHS]
+    y = torch.full((len(pattern), sum(WIDTHS)), -float(RANK), dtype=dtype, device=DEVICE)
+    impl.expand(y, h, b_slices, metadata(pattern))
+    assert torch.equal(y[~base], torch.zeros_like(y[~base]))
+
+
 @pytest.mark.parametrize("num_slices", [1, 2])
 def test_shrink_with_fewer_slices(impl, num_slices):
     check_shrink(impl, PATTERNS["unsorted_with_empty_groups"], torch.float32, num_slices)
