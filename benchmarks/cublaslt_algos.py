@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy import relative_error  # noqa: E402
 from benchmarks.gemm_settings import GEMMS, _time_us, make_weights  # noqa: E402
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
@@ -132,10 +133,6 @@ class CublasLt:
             ctypes.c_size_t(WORKSPACE_BYTES), stream), "cublasLtMatmul")
 
 
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
 def time_torch(xs: torch.Tensor, weights: list[torch.Tensor], stream: torch.cuda.Stream, blas: str) -> float:
     saved = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library(blas)
@@ -157,7 +154,7 @@ def measure(lt: CublasLt, name: str, weights: list[torch.Tensor], m: int, count:
     for rank, result in enumerate(lt.heuristics(problem, count)):
         algo = result.algo
         lt.matmul(problem, algo, x, weights[0], out)
-        err = rel_error(out, want)  # before the timing runs, which leave the last weight's product in `out`
+        err = relative_error(out, want)  # before the timing runs, which leave the last weight's product in `out`
         us = _time_us(lambda algo=algo: [lt.matmul(problem, algo, x, w, out) for w in weights], x.device,
                       stream) / len(weights)
         row["algos"].append(dict(rank=rank, us=us, rel_err=err, waves=result.waves_count,

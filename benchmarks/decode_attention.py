@@ -38,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy import relative_error  # noqa: E402
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 from benchmarks.timing import graph_time_us  # noqa: E402
 
@@ -56,10 +57,6 @@ MAX_TILE_ELEMENTS_PER_THREAD = 128  # one K tile spread over the warps; more spi
 MAX_PROGRAMS_PER_SM = 16  # split counts past this many programs per multiprocessor are not tried
 SHORTLIST = 6  # the screen's best, re-timed at every context
 SWEEP_REP_MS = 5
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 class Shapes:
@@ -119,7 +116,7 @@ def decode_row(shapes: Shapes, k_cache: torch.Tensor, v_cache: torch.Tensor, bat
     times, errors = {}, {}
     for count in dict.fromkeys([1, default, *splits]):
         run = _runner(case, k_cache, v_cache, num_splits=count)
-        errors[count] = _rel(run()[case.rows], case.ref)
+        errors[count] = relative_error(run()[case.rows], case.ref)
         times[count] = graph_time_us(run, k_cache.device)
     return dict(batch=batch, context=context, table_tokens=width * BLOCK_SIZE, default_splits=default,
                 single_us=times[1], split_us=times[default], floor_us=case.floor_us,
@@ -183,7 +180,7 @@ class Sweeper:
 
     def checked(self, cases: list[Case], config) -> float:
         """The largest relative error against float64 over the cases."""
-        return max(_rel(_runner(case, self.k_cache, self.v_cache, config=config)()[case.rows], case.ref)
+        return max(relative_error(_runner(case, self.k_cache, self.v_cache, config=config)()[case.rows], case.ref)
                    for case in cases)
 
 

@@ -18,6 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy import relative_error  # noqa: E402
 from benchmarks.fused_ops import LLAMA3_8B, Inputs  # noqa: E402
 from benchmarks.timing import graph_time_us  # noqa: E402
 from kernels import fused_lora_tiles_triton as tiles  # noqa: E402
@@ -27,10 +28,6 @@ from kernels.fused_lora_tiles_triton import LoRATileConfig  # noqa: E402
 SILU_TILES = (LoRATileConfig(128, 16, 4, 16), LoRATileConfig(64, 16, 4, 16), LoRATileConfig(256, 16, 4, 16),
               LoRATileConfig(256, 16, 8, 16))
 ROTARY_TILES = (LoRATileConfig(1, 16, 4, 16), LoRATileConfig(2, 16, 4, 16))
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
 def measure(inp: Inputs, adapters: int, device: torch.device) -> dict[str, float]:
@@ -43,7 +40,7 @@ def measure(inp: Inputs, adapters: int, device: torch.device) -> dict[str, float
     row["silu per-token"] = graph_time_us(lambda: fused_triton.silu_and_mul(inp.gate_up, gate_up), device)
     for c in SILU_TILES:
         name = f"silu tile c{c.chunk} w{c.num_warps}"
-        row[f"{name} rel diff"] = _rel(tiles.silu_and_mul(inp.gate_up, gate_up, config=c), want)
+        row[f"{name} rel diff"] = relative_error(tiles.silu_and_mul(inp.gate_up, gate_up, config=c), want)
         row[name] = graph_time_us(lambda c=c: tiles.silu_and_mul(inp.gate_up, gate_up, config=c), device)
     q, k, v = inp.qkv_views(inp.qkv.clone())
     k_cache, v_cache = inp.caches()

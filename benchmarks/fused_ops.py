@@ -38,6 +38,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy import relative_error  # noqa: E402
 from benchmarks.timing import graph_time_us  # noqa: E402
 from kernels import (  # noqa: E402
     LoRADelta,
@@ -115,10 +116,6 @@ class Case:
     check: Callable[[], float]
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
-
-
 @dataclass
 class Inputs:
     """One token count's random activations, rotary tables, cache slots and caches."""
@@ -187,10 +184,10 @@ def _cases(inp: Inputs) -> dict[str, Case]:
     def check_norm() -> float:
         out, _ = fused_triton.add_rms_norm(x, residual, weight, 1e-5)
         want, _ = fused_torch.add_rms_norm(x.double(), residual.double(), weight.double(), 1e-5)
-        return _rel(out, want)
+        return relative_error(out, want)
 
     def check_silu() -> float:
-        return _rel(fused_triton.silu_and_mul(gate_up), fused_torch.silu_and_mul(gate_up.double()))
+        return relative_error(fused_triton.silu_and_mul(gate_up), fused_torch.silu_and_mul(gate_up.double()))
 
     def check_rotary_and_write_kv() -> float:
         got, (k_cache, v_cache) = qkv.clone(), inp.caches()
@@ -199,8 +196,8 @@ def _cases(inp: Inputs) -> dict[str, Case]:
         want_q, want_k = fused_torch.rotary(want_q, want_k, cos.double(), sin.double(), positions)
         got_q, got_k, _ = inp.qkv_views(got)
         cached_k, cached_v = k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
-        return max(_rel(got_q, want_q), _rel(got_k, want_k), _rel(cached_k, want_k),
-                   _rel(cached_v, inp.qkv_views(qkv)[2]))
+        return max(relative_error(got_q, want_q), relative_error(got_k, want_k), relative_error(cached_k, want_k),
+                   relative_error(cached_v, inp.qkv_views(qkv)[2]))
 
     q, k, v = inp.qkv_views(qkv.clone())
     k_cache, v_cache = inp.caches()
@@ -213,7 +210,7 @@ def _cases(inp: Inputs) -> dict[str, Case]:
         reference = logits.double()
         if not torch.equal(token_ids, reference.argmax(dim=-1)):
             return float("inf")
-        return _rel(logprobs, reference.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1))
+        return relative_error(logprobs, reference.log_softmax(dim=-1).gather(1, token_ids[:, None]).squeeze(1))
 
     cases = {
         "add_rms_norm": Case(TORCH_CHAIN, lambda: fused_torch.add_rms_norm(x, residual, weight, 1e-5),
@@ -298,10 +295,10 @@ def _folded_cases(inp: Inputs, adapters: int, variants: Callable[[str], list[tup
 
     def check_norm(config: LaunchConfig) -> float:
         want = fused_triton.add_rms_norm(_expand(x.clone(), hidden_lora), residual, weight, 1e-5)
-        return max(_rel(a, b) for a, b in zip(norm(config), want))
+        return max(relative_error(a, b) for a, b in zip(norm(config), want))
 
     def check_silu(config: LaunchConfig) -> float:
-        return _rel(silu(config), fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
+        return relative_error(silu(config), fused_triton.silu_and_mul(_expand(gate_up.clone(), gate_up_lora)))
 
     def check_rotary(config: LaunchConfig) -> float:
         results = []
@@ -312,7 +309,7 @@ def _folded_cases(inp: Inputs, adapters: int, variants: Callable[[str], list[tup
             fused_triton.rotary_and_write_kv(*inp.qkv_views(buffer), cos, sin, positions, *caches, slots,
                                              qkv_lora if fold else None, **{launch: config})
             results.append((buffer, *caches))
-        return max(_rel(a, b) for a, b in zip(*results))
+        return max(relative_error(a, b) for a, b in zip(*results))
 
     ops = [("add_rms_norm", expand_then_norm, norm, check_norm), ("silu_and_mul", expand_then_silu, silu, check_silu),
            ("rotary_and_write_kv", expand_then_rotary, rotary, check_rotary)]

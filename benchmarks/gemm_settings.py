@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy import relative_error  # noqa: E402
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 GEMMS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -177,10 +178,6 @@ def _time_us(fn: Callable[[], object], device: torch.device, stream: torch.cuda.
     return start.elapsed_time(end) * 1e3 / REPLAYS
 
 
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want).norm() / want.norm()).item()
-
-
 def _kernels(calls: list[tuple[int, str, Callable[[], object]]]) -> dict[int, dict[str, list[str]]]:
     """M -> gemm -> names of the GPU kernels its call launched, one profiled eager call each,
     told apart by a spin kernel launched after every call."""
@@ -235,7 +232,7 @@ def run_variant(variant: Variant, weights: dict[str, list[torch.Tensor]], tokens
                 got = per_layer[0]()
                 _sync(device)
                 first_call_s[name] = time.perf_counter() - start
-                errors[name] = _rel(got, xs[name].float() @ weights[name][0].float().t())
+                errors[name] = relative_error(got, xs[name].float() @ weights[name][0].float().t())
             per_gemm_us = {name: _time_us(lambda c=per_layer: [f() for f in c], device, stream) / layers
                            for name, per_layer in calls.items()}
             in_order = [f for layer in zip(*calls.values()) for f in layer]

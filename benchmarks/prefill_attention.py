@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.accuracy import relative_error  # noqa: E402
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 SMOKE_HEADS, SMOKE_KV_HEADS, SMOKE_HEAD_DIM = 8, 2, 16
 HOST_REPEATS = 20
@@ -75,10 +77,6 @@ def _host_us(fn: Callable[[], object], device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize()
     return statistics.median(samples)
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want.double()).norm() / want.double().norm()).item()
 
 
 class Step:
@@ -137,7 +135,7 @@ def run_case(name: str, step: Step, configs: dict, device: torch.device) -> dict
                                            out=out, config=config)
 
         try:
-            diff = _rel(kernel(), want)
+            diff = relative_error(kernel(), want)
         except Exception as error:  # noqa: BLE001 - a candidate that does not compile here (e.g. shared memory)
             row["triton"][config_name] = dict(error=f"{type(error).__name__}: {error}")
             continue
