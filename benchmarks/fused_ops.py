@@ -9,7 +9,7 @@ on float32 logits that the engine ran before.
 
 The `+lora` rows time each op with the LoRA expand of the projection it consumes folded in
 (`lora=`), against the expand launch (`lora_expand_slices`) followed by the plain op, with every
-token on a random adapter of rank 16. Up to 128 tokens (the per-token path) at 64 adapters, one row
+token on a random adapter of rank 16 (`--rank`). Up to 128 tokens (the per-token path) at 64 adapters, one row
 per launch shape (`LoRAOpConfig`: columns or heads per step, rank block, warps); from 129 tokens
 (the segment path, where the expand is SGMV) the tiled variants (`fused_lora_tiles_triton`) at 8
 and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step or heads per program,
@@ -132,9 +132,10 @@ class Inputs:
     positions: torch.Tensor
     slots: torch.Tensor
     num_blocks: int
+    rank: int = RANK
 
     @classmethod
-    def random(cls, shapes: Shapes, tokens: int, device: torch.device) -> Inputs:
+    def random(cls, shapes: Shapes, tokens: int, device: torch.device, rank: int = RANK) -> Inputs:
         s = shapes
         gen = torch.Generator(device=device).manual_seed(tokens)
         x = torch.randn(tokens, s.hidden, device=device, dtype=DTYPE, generator=gen)
@@ -148,7 +149,7 @@ class Inputs:
         num_blocks = tokens // BLOCK_SIZE + 2
         slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=gen)[:tokens]
         return cls(s, tokens, x, residual, weight, gate_up, qkv, emb.cos().to(device), emb.sin().to(device),
-                   positions, slots, num_blocks)
+                   positions, slots, num_blocks, rank)
 
     @property
     def qkv_widths(self) -> list[int]:
@@ -166,12 +167,12 @@ class Inputs:
                                  dtype=DTYPE) for _ in range(2))
 
     def lora(self, widths: list[int], seed: int, adapters: int = ADAPTERS) -> LoRADelta:
-        """Every token on a random one of `adapters` adapters of rank RANK, h as the shrink leaves it."""
+        """Every token on a random one of `adapters` adapters of rank `self.rank`, h as the shrink leaves it."""
         device = self.x.device
         gen = torch.Generator(device=device).manual_seed(seed)
         slots = torch.randint(0, adapters, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
-        h = torch.randn(len(widths), self.tokens, RANK, device=device, generator=gen)
-        b_slices = tuple(torch.randn(adapters, w, RANK, device=device, generator=gen).div(RANK).to(DTYPE)
+        h = torch.randn(len(widths), self.tokens, self.rank, device=device, generator=gen)
+        b_slices = tuple(torch.randn(adapters, w, self.rank, device=device, generator=gen).div(self.rank).to(DTYPE)
                          for w in widths)
         return LoRADelta(h, b_slices, prepare_lora_metadata(slots, adapters))
 
@@ -324,6 +325,7 @@ def main() -> None:
     parser.add_argument("--ops", nargs="+", choices=OPS, default=OPS, metavar="OP",
                         help=f"only these ops' rows, of {OPS}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU (Triton interpreter)")
+    parser.add_argument("--rank", type=int, default=RANK, help="the adapters' rank (default %(default)s)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -333,7 +335,7 @@ def main() -> None:
     rows = []
     print(f"{'op':<52}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
     for tokens in args.tokens:
-        inp = Inputs.random(shapes, tokens, device)
+        inp = Inputs.random(shapes, tokens, device, args.rank)
         cases = {} if args.lora_only else _cases(inp)
         cases.update(_lora_cases(inp))
         cases = {name: case for name, case in cases.items() if name.split("+")[0] in args.ops}

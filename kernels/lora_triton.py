@@ -183,6 +183,24 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def b_block(b_ptr, cols, n_mask, r0, R, BLOCK_R: tl.constexpr):
+    """One rank block of one slot's B (rows of R values) transposed: B[cols, r0 : r0 + BLOCK_R]^T,
+    [BLOCK_R, len(cols)]; loaded apart from h so a program can keep it for several row tiles."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    return tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=(offs_r < R)[:, None] & n_mask[None, :],
+                   other=0.0)
+
+
+@triton.jit
+def plus_h_times_b(acc, h_rows, m_mask, bv, r0, R, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + h[rows, r0 : r0 + BLOCK_R] @ bv (`b_block`); h is float32, rounded to B's dtype, as peft's lora_B
+    receives lora_A's output."""
+    offs_r = r0 + tl.arange(0, BLOCK_R)
+    hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0)
+    return _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
+
+
+@triton.jit
 def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                DOT_F32: tl.constexpr):
     """float32 [BLOCK_M, len(cols)] h[rows] @ B[cols]^T for a tile of one slot's tokens: `h_rows` points at the
@@ -191,12 +209,8 @@ def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, BLOCK_M: tl.constexpr, BL
     (`fused_lora_tiles_triton`)."""
     acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
-        offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
-        hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & r_mask[None, :], other=0.0)
-        bv = tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
-        # h is float32; rounded to B's dtype, as peft's lora_B receives lora_A's output.
-        acc = _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
+        acc = plus_h_times_b(acc, h_rows, m_mask, b_block(b_ptr, cols, n_mask, r0, R, BLOCK_R), r0, R, BLOCK_R,
+                             DOT_F32)
     return acc
 
 
