@@ -24,7 +24,7 @@ from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, sl
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
-ROW_STEP = 16  # rows silu_and_mul's programs take at a time as they walk their part of a tile
+ROW_STEP = 16  # rows a program of silu_and_mul or rotary_and_write_kv takes at a time as it walks its part of a tile
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ class LoRATileConfig:
     """Launch shape of a tiled variant: `chunk` columns per program (silu_and_mul), per step of a row walk
     (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16;
     larger ranks loop); `rows`: token rows per program, a part of a tile (0: the whole tile), for more programs
-    when there are few tiles; `num_stages`: Triton's software pipelining depth."""
+    when there are few tiles (silu_and_mul and rotary_and_write_kv walk them `ROW_STEP` at a time on B loaded once);
+    `num_stages`: Triton's software pipelining depth."""
 
     chunk: int
     block_r: int
@@ -87,15 +88,30 @@ def _row_blocks(lora: LoRADelta, config: LoRATileConfig) -> int:
 
 
 @triton.jit
-def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
-    """Part `part` (ROWS rows) of tile `tile`: its token indices, which are in use, the tile's slot, and whether
-    the part has any rows (an unused tile, or the end of a short one, has none)."""
+def _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
+    """Part `part` (ROWS rows) of tile `tile`: the tile's start in `token_order`, the part's first row and its end (at
+    the tile's length; none past `first` for an unused tile or the end of a short one), and the tile's slot."""
     start = tl.load(tile_start_ptr + tile)
-    length = tl.load(tile_len_ptr + tile)
-    offs = part * ROWS + tl.arange(0, ROWS)
-    in_use = offs < length
-    rows = tl.load(order_ptr + start + offs, mask=in_use, other=0).to(tl.int64)
-    return rows, in_use, tl.load(tile_slot_ptr + tile), part * ROWS < length
+    first = part * ROWS
+    end = tl.minimum(tl.load(tile_len_ptr + tile), first + ROWS)
+    return start, first, end, tl.load(tile_slot_ptr + tile)
+
+
+@triton.jit
+def _step_rows(order_ptr, start, row0, end, STEP: tl.constexpr):
+    """Rows row0 .. row0 + STEP of a tile: their token indices and which are in use (short of `end`)."""
+    offs = row0 + tl.arange(0, STEP)
+    in_use = offs < end
+    return tl.load(order_ptr + start + offs, mask=in_use, other=0).to(tl.int64), in_use
+
+
+@triton.jit
+def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
+    """Part `part` (ROWS rows) of tile `tile` taken at once: its token indices, which are in use, the tile's slot,
+    and whether the part has any rows."""
+    start, first, end, slot = _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS)
+    rows, in_use = _step_rows(order_ptr, start, first, end, ROWS)
+    return rows, in_use, slot, first < end
 
 
 @triton.jit
@@ -115,26 +131,53 @@ def _plus_delta_block(y, h_rows, in_use, bv, R: tl.constexpr, BLOCK_R: tl.conste
 
 
 @triton.jit
+def _plus_delta(y, h_rows, in_use, bv, b_ptr, cols, col_mask, R: tl.constexpr, STEP: tl.constexpr,
+                BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """y [STEP, cols] + h[rows] @ B[cols]^T in a program's walk over its rows: on B^T's block `bv`, loaded once for
+    the walk (`_b_blocks`), when the rank fits one rank block; otherwise reading B at `b_ptr`."""
+    if R <= BLOCK_R:
+        return _plus_delta_block(y, h_rows, in_use, bv, R, BLOCK_R, DOT_F32)
+    else:
+        return _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R, STEP, BLOCK_R, DOT_F32)
+
+
+@triton.jit
+def _b_blocks(b1_ptr, cols1, b2_ptr, cols2, col_mask, R: tl.constexpr, BLOCK_R: tl.constexpr):
+    """B^T's blocks of two column chunks of one slot, loaded once for a program's walk when the rank fits one rank
+    block; none otherwise (each step reads B)."""
+    if R <= BLOCK_R:
+        return b_block(b1_ptr, cols1, col_mask, 0, R, BLOCK_R), b_block(b2_ptr, cols2, col_mask, 0, R, BLOCK_R)
+    else:
+        return None, None
+
+
+@triton.jit
+def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b1_ptr, b2_ptr, cols1, cols2, col_mask,
+                       R: tl.constexpr, STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+                       HAS_DELTA: tl.constexpr):
+    """A step's two halves, at `x_rows` and `x_rows + offset` ([STEP, cols]), each plus (HAS_DELTA) its h rows
+    times its B chunk (`_plus_delta`: B^T's block `b1` / `b2`, or read at `b1_ptr` / `b2_ptr`, columns `cols1` /
+    `cols2`): gate and up of silu_and_mul, the rotary halves of q, k and v."""
+    x1 = tl.load(x_rows, mask=mask, other=0.0)
+    x2 = tl.load(x_rows + offset, mask=mask, other=0.0)
+    if HAS_DELTA:
+        x1 = _plus_delta(x1, h1_rows, in_use, b1, b1_ptr, cols1, col_mask, R, STEP, BLOCK_R, DOT_F32)
+        x2 = _plus_delta(x2, h2_rows, in_use, b2, b2_ptr, cols2, col_mask, R, STEP, BLOCK_R, DOT_F32)
+    return x1, x2
+
+
+@triton.jit
 def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start, row0, end,
                     cols, col_mask, bg, bu, b_gate, b_up, R: tl.constexpr, STEP: tl.constexpr,
                     BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile: gate and up plus their deltas, the product stored. B^T's
     chunks `bg` and `bu` come loaded when the rank fits one rank block; otherwise each step reads B."""
-    offs = row0 + tl.arange(0, STEP)
-    in_use = offs < end
-    rows = tl.load(order_ptr + start + offs, mask=in_use, other=0).to(tl.int64)
+    rows, in_use = _step_rows(order_ptr, start, row0, end, STEP)
     mask = in_use[:, None] & col_mask[None, :]
-    x_rows = x_ptr + rows[:, None] * stride_x + cols[None, :]
-    gate = tl.load(x_rows, mask=mask, other=0.0)
-    up = tl.load(x_rows + n, mask=mask, other=0.0)
-    if HAS_DELTA:
-        h_rows = h_ptr + rows[:, None] * stride_ht
-        if R <= BLOCK_R:
-            gate = _plus_delta_block(gate, h_rows, in_use, bg, R, BLOCK_R, DOT_F32)
-            up = _plus_delta_block(up, h_rows + stride_hn, in_use, bu, R, BLOCK_R, DOT_F32)
-        else:
-            gate = _plus_delta_tile(gate, h_rows, in_use, b_gate, cols, col_mask, R, STEP, BLOCK_R, DOT_F32)
-            up = _plus_delta_tile(up, h_rows + stride_hn, in_use, b_up, cols, col_mask, R, STEP, BLOCK_R, DOT_F32)
+    h_rows = h_ptr + rows[:, None] * stride_ht
+    gate, up = _halves_plus_delta(x_ptr + rows[:, None] * stride_x + cols[None, :], n, mask, h_rows,
+                                  h_rows + stride_hn, in_use, bg, bu, b_gate, b_up, cols, cols, col_mask, R, STEP,
+                                  BLOCK_R, DOT_F32, HAS_DELTA)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
 
 
@@ -145,21 +188,15 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
                                STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, chunk, part) walks its part's ROWS rows STEP at a time (`_silu_rows_step`), the slot's B chunks
     loaded once for all steps: B's reads from L2 shrink by ROWS / STEP (H200, 8192 tokens: 337 -> 221 us)."""
-    tile = tl.program_id(0)
-    start = tl.load(tile_start_ptr + tile)
-    first = tl.program_id(2) * ROWS
-    end = tl.minimum(tl.load(tile_len_ptr + tile), first + ROWS)
-    slot = tl.load(tile_slot_ptr + tile)
+    start, first, end, slot = _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
+                                         tl.program_id(2), ROWS)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < n
     step_args = (x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start)
     if (slot >= 0) & (first < end):  # a part past a short tile's end reads no B
         b_gate = b_gate_ptr + slot.to(tl.int64) * stride_bs_gate
         b_up = b_up_ptr + slot.to(tl.int64) * stride_bs_up
-        bg, bu = None, None
-        if R <= BLOCK_R:
-            bg = b_block(b_gate, cols, col_mask, 0, R, BLOCK_R)
-            bu = b_block(b_up, cols, col_mask, 0, R, BLOCK_R)
+        bg, bu = _b_blocks(b_gate, cols, b_up, cols, col_mask, R, BLOCK_R)
         for row0 in range(first, end, STEP):
             _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, R, STEP, BLOCK_R, DOT_F32,
                             HAS_DELTA=True)
@@ -246,16 +283,56 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 
 @triton.jit
-def _halves_plus_delta(base, mask, h_rows, in_use, b_ptr, cols, col_mask, slot, R: tl.constexpr,
-                       ROWS: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """The halves at `base` and `base + HALF` ([ROWS, heads x half]) with the delta of B rows `cols` and
-    `cols + HALF` added (none for base tokens)."""
-    x1 = tl.load(base, mask=mask, other=0.0)
-    x2 = tl.load(base + HALF, mask=mask, other=0.0)
-    if slot >= 0:
-        x1 = _plus_delta_tile(x1, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
-        x2 = _plus_delta_tile(x2, h_rows, in_use, b_ptr, cols + HALF, col_mask, R, ROWS, BLOCK_R, DOT_F32)
-    return x1, x2
+def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, cache_cols, cos_ptr, sin_ptr, pos_ptr,
+                      slots_ptr, stride_table, dims, in_half, order_ptr, start, row0, end, h_ptr, stride_ht, col_mask,
+                      b1, b2, b_ptr, cols, R: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
+                      BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr, ROTATE: tl.constexpr,
+                      CACHE: tl.constexpr):
+    """Rows row0 .. row0 + STEP (short of `end`) of a tile, for a program's heads of q, k or v ([STEP, heads x half],
+    columns `x_cols` and `x_cols + HALF`): the halves plus the deltas of B rows `cols` and `cols + HALF` (B^T's
+    blocks `b1` and `b2` when the rank fits one rank block, else read from `b_ptr`), rotated (q, k), stored back
+    (but for v without a delta, which is as it was) and into the cache (k, v)."""
+    rows, in_use = _step_rows(order_ptr, start, row0, end, STEP)
+    mask = in_use[:, None] & col_mask[None, :]
+    base = x_ptr + rows[:, None] * stride_xt + x_cols[None, :]
+    h_rows = h_ptr + rows[:, None] * stride_ht
+    x1, x2 = _halves_plus_delta(base, HALF, mask, h_rows, h_rows, in_use, b1, b2, b_ptr, b_ptr, cols, cols + HALF,
+                                col_mask, R, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
+    if ROTATE:
+        pos = tl.load(pos_ptr + rows, mask=in_use, other=0).to(tl.int64)
+        table = pos[:, None] * stride_table + dims[None, :]
+        table_mask = in_use[:, None] & in_half[None, :]
+        x1, x2 = rotated(x1, x2, tl.load(cos_ptr + table, mask=table_mask, other=0.0),
+                         tl.load(sin_ptr + table, mask=table_mask, other=0.0))
+    if ROTATE or HAS_DELTA:
+        store_halves(base, x1, x2, mask, HALF)
+    if CACHE:
+        cache_slot = tl.load(slots_ptr + rows, mask=in_use, other=0).to(tl.int64)
+        store_halves(cache_ptr + cache_slot[:, None] * stride_cache_slot + cache_cols[None, :], x1, x2, mask, HALF)
+
+
+@triton.jit
+def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr, b_ptr, stride_bs, cos_ptr, sin_ptr,
+                 pos_ptr, slots_ptr, stride_table, stride_cache_slot, stride_cache_head, dims, in_half, order_ptr,
+                 start, first, end, slot, stride_ht, R: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr):
+    """A program's heads `head` of q, k or v (h's slice at `h_ptr`, B's stack at `b_ptr`) over its part's rows first ..
+    end, STEP at a time (`_rotary_rows_step`), the slot's B rows for its heads loaded once for all steps."""
+    col_mask = (head < num_heads) & in_half
+    cols = head * (2 * HALF) + dims
+    step_args = (x_ptr, stride_xt, head * stride_xh + dims, cache_ptr, stride_cache_slot,
+                 head * stride_cache_head + dims, cos_ptr, sin_ptr, pos_ptr, slots_ptr, stride_table, dims, in_half,
+                 order_ptr, start)
+    if (slot >= 0) & (first < end):  # a part past a short tile's end reads no B
+        b_ptr = b_ptr + slot.to(tl.int64) * stride_bs
+        b1, b2 = _b_blocks(b_ptr, cols, b_ptr, cols + HALF, col_mask, R, BLOCK_R)
+        for row0 in range(first, end, STEP):
+            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, b1, b2, b_ptr, cols, R, STEP, HALF,
+                              BLOCK_R, DOT_F32, HAS_DELTA=True, ROTATE=ROTATE, CACHE=CACHE)
+    else:
+        for row0 in range(first, end, STEP):
+            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, None, None, None, cols, R, STEP, HALF,
+                              BLOCK_R, DOT_F32, HAS_DELTA=False, ROTATE=ROTATE, CACHE=CACHE)
 
 
 # positions and KV slots: not specialized on alignment (see `fused_triton._rotary_and_write_kv_kernel`)
@@ -264,59 +341,33 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                          stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
                          order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, sbq, sbk, sbv, stride_hn, stride_ht,
-                         R: tl.constexpr, ROWS: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                         HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """Program (tile, j, part): a chunk of the rows' q heads, of their k heads (and cache rows) or of their v heads
-    (and theirs), laid out flat as (head, dim in half) per row."""
-    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
-                                              tl.program_id(0), tl.program_id(2), ROWS)
-    if not has_rows:
-        return
+                         R: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
+                         HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr,
+                         DOT_F32: tl.constexpr):
+    """Program (tile, j, part): a chunk of q heads, of k heads (and cache rows) or of v heads (and theirs), laid out
+    flat as (head, dim in half) per row, for its part's ROWS rows walked STEP at a time (`_rotary_walk`): the slot's B
+    rows loaded once for all steps, so B's reads from L2 shrink by ROWS / STEP."""
+    start, first, end, slot = _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
+                                         tl.program_id(2), ROWS)
     j = tl.program_id(1)
     e = tl.arange(0, HEADS_PER_PROGRAM * HALF_PAD)
     dims = e % HALF_PAD
     local_head = e // HALF_PAD
-    in_half = dims < HALF
-    pos = tl.load(pos_ptr + rows, mask=in_use, other=0).to(tl.int64)
-    table_mask = in_use[:, None] & in_half[None, :]
-    cos = tl.load(cos_ptr + pos[:, None] * stride_table + dims[None, :], mask=table_mask, other=0.0)
-    sin = tl.load(sin_ptr + pos[:, None] * stride_table + dims[None, :], mask=table_mask, other=0.0)
-    cache_slot = tl.load(slots_ptr + rows, mask=in_use, other=0).to(tl.int64)
-    h_rows = h_ptr + rows[:, None] * stride_ht
-    adapter = tl.maximum(slot, 0).to(tl.int64)
+    walk_args = (cos_ptr, sin_ptr, pos_ptr, slots_ptr, stride_table, stride_cache_slot, stride_cache_head, dims,
+                 dims < HALF, order_ptr, start, first, end, slot, stride_ht)
     q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
     kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
     if j < q_programs:
-        head = j * HEADS_PER_PROGRAM + local_head
-        col_mask = (head < heads) & in_half
-        mask = in_use[:, None] & col_mask[None, :]
-        base = q_ptr + rows[:, None] * stride_qt + (head * stride_qh + dims)[None, :]
-        x1, x2 = _halves_plus_delta(base, mask, h_rows, in_use, bq_ptr + adapter * sbq, head * (2 * HALF) + dims,
-                                    col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
-        y1, y2 = rotated(x1, x2, cos, sin)
-        store_halves(base, y1, y2, mask, HALF)
+        _rotary_walk(q_ptr, stride_qt, stride_qh, None, j * HEADS_PER_PROGRAM + local_head, heads, h_ptr, bq_ptr, sbq,
+                     *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32, ROTATE=True, CACHE=False)
     elif j < q_programs + kv_programs:
-        head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
-        col_mask = (head < kv_heads) & in_half
-        mask = in_use[:, None] & col_mask[None, :]
-        base = k_ptr + rows[:, None] * stride_kt + (head * stride_kh + dims)[None, :]
-        x1, x2 = _halves_plus_delta(base, mask, h_rows + stride_hn, in_use, bk_ptr + adapter * sbk,
-                                    head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
-        y1, y2 = rotated(x1, x2, cos, sin)
-        store_halves(base, y1, y2, mask, HALF)
-        store_halves(k_cache_ptr + cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
-                     y1, y2, mask, HALF)
+        _rotary_walk(k_ptr, stride_kt, stride_kh, k_cache_ptr, (j - q_programs) * HEADS_PER_PROGRAM + local_head,
+                     kv_heads, h_ptr + stride_hn, bk_ptr, sbk, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32,
+                     ROTATE=True, CACHE=True)
     else:
-        head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
-        col_mask = (head < kv_heads) & in_half
-        mask = in_use[:, None] & col_mask[None, :]
-        base = v_ptr + rows[:, None] * stride_vt + (head * stride_vh + dims)[None, :]
-        x1, x2 = _halves_plus_delta(base, mask, h_rows + 2 * stride_hn, in_use, bv_ptr + adapter * sbv,
-                                    head * (2 * HALF) + dims, col_mask, slot, R, ROWS, HALF, BLOCK_R, DOT_F32)
-        if slot >= 0:
-            store_halves(base, x1, x2, mask, HALF)
-        store_halves(v_cache_ptr + cache_slot[:, None] * stride_cache_slot + (head * stride_cache_head + dims)[None, :],
-                     x1, x2, mask, HALF)
+        _rotary_walk(v_ptr, stride_vt, stride_vh, v_cache_ptr,
+                     (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head, kv_heads, h_ptr + 2 * stride_hn,
+                     bv_ptr, sbv, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32, ROTATE=False, CACHE=True)
 
 
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -336,6 +387,6 @@ def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: 
     _rotary_tiles_kernel[(lora.meta.num_tiles, programs, _row_blocks(lora, config))](
         q, k, v, cos, sin, positions, slot_mapping, k_cache, v_cache, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), cos.stride(0), k_cache.stride(1), k_cache.stride(2), heads, kv_heads,
-        *_tile_args(lora), HALF=dim // 2, HALF_PAD=half_pad, HEADS_PER_PROGRAM=heads_per_program,
+        *_tile_args(lora), STEP=ROW_STEP, HALF=dim // 2, HALF_PAD=half_pad, HEADS_PER_PROGRAM=heads_per_program,
         **_launch(lora, config),
     )

@@ -118,9 +118,9 @@ def _gate_up(slots: list[int], dtype: torch.dtype) -> torch.Tensor:
     return (torch.randn(len(slots), 2 * INTERMEDIATE, generator=gen) * 3).to(DEVICE, dtype)
 
 
-def _silu_launches():
-    """The ops' launches, and 32-row tiles taken whole, so a program walks two 16-row steps: on B loaded once (rank
-    12, one rank block) and on B read each step (rank 20)."""
+def _walk_launches():
+    """The ops' launches, and 32-row tiles taken whole, so a program walks two 16-row steps (silu_and_mul,
+    rotary_and_write_kv): on B loaded once (rank 12, one rank block) and on B read each step (rank 20)."""
     from kernels.fused_lora_tiles_triton import LoRATileConfig
 
     whole = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=0)
@@ -128,7 +128,7 @@ def _silu_launches():
                           pytest.param(Launch(32, 20, whole), id="tile32-whole-rank20")]
 
 
-@pytest.mark.parametrize("launch", _silu_launches())
+@pytest.mark.parametrize("launch", _walk_launches())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_silu_and_mul_equals_expand_then_op(slots, launch, dtype):
     from kernels import fused_lora_tiles_triton as tiles
@@ -140,7 +140,7 @@ def test_tiled_silu_and_mul_equals_expand_then_op(slots, launch, dtype):
     torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("launch", _silu_launches())
+@pytest.mark.parametrize("launch", _walk_launches())
 def test_tiled_silu_and_mul_matches_float64(launch):
     from kernels import fused_lora_tiles_triton as tiles
 
@@ -217,6 +217,7 @@ def test_tiled_add_rms_norm_leaves_x_unchanged():
 
 # rotary_and_write_kv
 
+@pytest.mark.parametrize("launch", _walk_launches())
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, dtype):
@@ -234,6 +235,7 @@ def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, d
         same(a, b)
 
 
+@pytest.mark.parametrize("launch", _walk_launches())
 def test_tiled_rotary_and_write_kv_matches_float64(launch):
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_torch
