@@ -98,7 +98,11 @@ LORA_TILE_VARIANTS: dict[str, list[LoRATileConfig]] = {
                       (256, 8, 0), (512, 16, 0)]],
     "silu_and_mul": [LoRATileConfig(chunk, 16, warps, rows) for chunk, warps, rows in
                      [(64, 4, 0), (128, 4, 0), (128, 8, 0), (256, 8, 0), (64, 4, 32), (128, 4, 32), (256, 8, 32),
-                      (128, 4, 16), (256, 4, 16)]],
+                      (128, 4, 16), (256, 4, 16)]]
+    # rank blocks of 32 and 64 (the kernel takes min(block_r, the rank's power of two)): at ranks 32 and 64 a walk
+    # then keeps B loaded for all its steps
+    + [LoRATileConfig(chunk, block_r, 4, rows) for chunk, block_r, rows in
+       [(128, 32, 0), (64, 32, 0), (128, 64, 0), (64, 64, 0), (32, 64, 0), (64, 64, 16)]],
     # heads per program, warps, rows per program (walked 16 at a time on B loaded once); 4 heads on 4 warps take 254
     # registers a thread on sm_90 (ptxas), so only the whole tile tries it
     "rotary_and_write_kv": [LoRATileConfig(heads, 16, warps, rows) for heads, warps, rows in
