@@ -53,11 +53,14 @@ class LoRATileConfig:
 # best 56.9 against 36.1 over 64 adapters, slower, so `lora_tuning.FOLDED_OPS` leaves o and down to the expand
 # on this path. silu_and_mul from `--tokens 8192 512 256 --ops silu_and_mul` (2026-11-30; 8 / 64 adapters, us): its
 # programs walking whole tiles with B loaded once, 220.8 / 239.7, 22.1 / 35.9 and 10.0 / 30.9, against 337.3 /
-# 345.9, 23.3 / 51.5 and 11.2 / 36.4 taking 16 rows each. Op name -> config.
+# 345.9, 23.3 / 51.5 and 11.2 / 36.4 taking 16 rows each. rotary_and_write_kv, its walk from `--ops
+# rotary_and_write_kv` (the same token counts): 32 rows a program 98.2 / 104.1, 8.9 / 13.0 and 5.7 / 10.0, against
+# 101.5 / 112.2, 8.7 / 16.2 and 5.8 / 10.1 for 16 rows and 94.7 / 99.3, 12.7 / 12.8 and 5.7 / 10.1 for the whole
+# tile. Op name -> config.
 LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
     "silu_and_mul": LoRATileConfig(chunk=128, block_r=16, num_warps=4, rows=0),
     "add_rms_norm": LoRATileConfig(chunk=512, block_r=16, num_warps=8, rows=32),
-    "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=16, num_warps=4, rows=16),
+    "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=16, num_warps=4, rows=32),
 }
 
 
@@ -134,21 +137,11 @@ def _plus_delta_block(y, h_rows, in_use, bv, R: tl.constexpr, BLOCK_R: tl.conste
 def _plus_delta(y, h_rows, in_use, bv, b_ptr, cols, col_mask, R: tl.constexpr, STEP: tl.constexpr,
                 BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """y [STEP, cols] + h[rows] @ B[cols]^T in a program's walk over its rows: on B^T's block `bv`, loaded once for
-    the walk (`_b_blocks`), when the rank fits one rank block; otherwise reading B at `b_ptr`."""
+    the walk (`b_block`), when the rank fits one rank block; otherwise reading B at `b_ptr`."""
     if R <= BLOCK_R:
         return _plus_delta_block(y, h_rows, in_use, bv, R, BLOCK_R, DOT_F32)
     else:
         return _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R, STEP, BLOCK_R, DOT_F32)
-
-
-@triton.jit
-def _b_blocks(b1_ptr, cols1, b2_ptr, cols2, col_mask, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """B^T's blocks of two column chunks of one slot, loaded once for a program's walk when the rank fits one rank
-    block; none otherwise (each step reads B)."""
-    if R <= BLOCK_R:
-        return b_block(b1_ptr, cols1, col_mask, 0, R, BLOCK_R), b_block(b2_ptr, cols2, col_mask, 0, R, BLOCK_R)
-    else:
-        return None, None
 
 
 @triton.jit
@@ -196,7 +189,10 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
     if (slot >= 0) & (first < end):  # a part past a short tile's end reads no B
         b_gate = b_gate_ptr + slot.to(tl.int64) * stride_bs_gate
         b_up = b_up_ptr + slot.to(tl.int64) * stride_bs_up
-        bg, bu = _b_blocks(b_gate, cols, b_up, cols, col_mask, R, BLOCK_R)
+        bg, bu = None, None
+        if R <= BLOCK_R:
+            bg = b_block(b_gate, cols, col_mask, 0, R, BLOCK_R)
+            bu = b_block(b_up, cols, col_mask, 0, R, BLOCK_R)
         for row0 in range(first, end, STEP):
             _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, R, STEP, BLOCK_R, DOT_F32,
                             HAS_DELTA=True)
@@ -325,7 +321,10 @@ def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr,
                  order_ptr, start)
     if (slot >= 0) & (first < end):  # a part past a short tile's end reads no B
         b_ptr = b_ptr + slot.to(tl.int64) * stride_bs
-        b1, b2 = _b_blocks(b_ptr, cols, b_ptr, cols + HALF, col_mask, R, BLOCK_R)
+        b1, b2 = None, None
+        if R <= BLOCK_R:
+            b1 = b_block(b_ptr, cols, col_mask, 0, R, BLOCK_R)
+            b2 = b_block(b_ptr, cols + HALF, col_mask, 0, R, BLOCK_R)
         for row0 in range(first, end, STEP):
             _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, b1, b2, b_ptr, cols, R, STEP, HALF,
                               BLOCK_R, DOT_F32, HAS_DELTA=True, ROTATE=ROTATE, CACHE=CACHE)
