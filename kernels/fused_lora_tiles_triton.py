@@ -56,9 +56,11 @@ class LoRATileConfig:
 # 345.9, 23.3 / 51.5 and 11.2 / 36.4 taking 16 rows each. rotary_and_write_kv, its walk from `--ops
 # rotary_and_write_kv` (the same token counts): 32 rows a program 98.2 / 104.1, 8.9 / 13.0 and 5.7 / 10.0, against
 # 101.5 / 112.2, 8.7 / 16.2 and 5.8 / 10.1 for 16 rows and 94.7 / 99.3, 12.7 / 12.8 and 5.7 / 10.1 for the whole
-# tile. Op name -> config.
+# tile. silu_and_mul's rank block of 64 (the rank's power of two up to 64, so a walk keeps B loaded at ranks 32
+# and 64; rank 16 is unchanged), `--rank 32` / `--rank 64`, 8192 tokens: 394.7 / 415.8 -> 244.8 / 266.7 and 651.7 /
+# 714.6 -> 354.3 / 403.8 us; 512 tokens: 35.7 / 62.6 -> 25.9 / 51.9 and 61.3 / 103.5 -> 36.4 / 87.6. Op name -> config.
 LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
-    "silu_and_mul": LoRATileConfig(chunk=128, block_r=16, num_warps=4, rows=0),
+    "silu_and_mul": LoRATileConfig(chunk=128, block_r=64, num_warps=4, rows=0),
     "add_rms_norm": LoRATileConfig(chunk=512, block_r=16, num_warps=8, rows=32),
     "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=16, num_warps=4, rows=32),
 }

@@ -120,12 +120,15 @@ def _gate_up(slots: list[int], dtype: torch.dtype) -> torch.Tensor:
 
 def _walk_launches():
     """The ops' launches, and 32-row tiles taken whole, so a program walks two 16-row steps (silu_and_mul,
-    rotary_and_write_kv): on B loaded once (rank 12, one rank block) and on B read each step (rank 20)."""
+    rotary_and_write_kv): on B loaded once (rank 12, one rank block), on B read each step (rank 20 in blocks of
+    16), and with the default launch at rank 20 (SiLU·up's rank block then covers it, so B is loaded once with
+    its last 12 rank columns masked)."""
     from kernels.fused_lora_tiles_triton import LoRATileConfig
 
     whole = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=0)
     return _launches() + [pytest.param(Launch(32, 12, whole), id="tile32-whole-rank12"),
-                          pytest.param(Launch(32, 20, whole), id="tile32-whole-rank20")]
+                          pytest.param(Launch(32, 20, whole), id="tile32-whole-rank20"),
+                          pytest.param(Launch(32, 20), id="tile32-default-rank20")]
 
 
 @pytest.mark.parametrize("launch", _walk_launches())
@@ -328,3 +331,51 @@ def test_captured_tiled_ops_replay_with_the_next_steps_slots_and_h():
                 fused_triton.silu_and_mul(gate_up, silu_lora))
 
     replays_the_next_step(step, [norm_lora, silu_lora], slots_tensor(list(reversed(slots)), DEVICE))
+
+
+# Llama-3-8B's widths on the GPU: the compiled walks at each rank class
+
+LLAMA3_INTERMEDIATE = 14336
+LLAMA3_HEADS = (32, 8, 128)
+
+
+def _bf16_delta(slots: list[int], widths: list[int], rank: int) -> LoRADelta:
+    """`_random_delta` with B in bf16, as the engine's slots hold it, on 64-token tiles."""
+    delta = _random_delta(slots, widths, rank, block_m=64)
+    return LoRADelta(delta.h, tuple(b.to(torch.bfloat16) for b in delta.b_slices), delta.meta)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """‖got − want‖ / ‖want‖ in float64 over the elements both hold; both must leave the same elements unwritten."""
+    written = ~want.isnan()
+    assert torch.equal(~got.isnan(), written)
+    got, want = got.double()[written], want[written]
+    return ((got - want).norm() / want.norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rank", [16, 32, 64])
+def test_tiled_folds_at_llama3_widths_equal_expand_then_op_within_a_rounding(rank):
+    """300 tokens, shuffled over the slots and base rows, in bf16 with Llama-3-8B's widths, compiled for the GPU: the
+    SiLU·up's walk on B loaded once (its rank block of 64 covers every rank here) and the rotary's (a block of 16:
+    from rank 32 it reads B each step) give the segment expand followed by the plain op, up to where the GPU's
+    fused multiply-adds round (2e-5 to 5e-5 in `benchmarks/fused_ops.py` on the H200)."""
+    from kernels import fused_lora_tiles_triton as tiles
+    from kernels import fused_triton
+
+    slots = _shuffled([t % (NUM_SLOTS + 1) - 1 for t in range(300)])
+    gate_up = (torch.randn(len(slots), 2 * LLAMA3_INTERMEDIATE, generator=torch.Generator().manual_seed(3))
+               .to(DEVICE, torch.bfloat16))
+    lora = _bf16_delta(slots, [LLAMA3_INTERMEDIATE] * 2, rank)
+    want = fused_triton.silu_and_mul(_expanded(gate_up, lora))
+    assert _relative_error(tiles.silu_and_mul(gate_up, lora), want.double()) <= 1e-3
+
+    got = RotaryCase.random(LLAMA3_HEADS, len(slots), torch.bfloat16, DEVICE)
+    want = RotaryCase.random(LLAMA3_HEADS, len(slots), torch.bfloat16, DEVICE)
+    lora = _bf16_delta(slots, got.widths, rank)
+    got.run(tiles.rotary_and_write_kv, lora)
+    want.qkv.copy_(_expanded(want.qkv, lora))
+    want.run(fused_triton.rotary_and_write_kv)
+    for a, b in zip(got.outputs(), want.outputs()):
+        assert _relative_error(a, b.double()) <= 1e-3
