@@ -8,10 +8,19 @@
 # `fused_ops.py`, `lora_kernels.py`, `decode_step.py`) run on their own.
 #
 #     bash benchmarks/h200_session.sh            # through `device`: run(command="bash benchmarks/h200_session.sh")
+#     bash benchmarks/h200_session.sh kernels    # instead: every kernel test on CUDA, the interpreter's ones too
+#
+# The kernels' unmarked tests run under the Triton interpreter in CI; on a GPU they run compiled, where
+# fused multiply-adds and reduction trees follow each kernel's layout. `kernels` keeps their whole output.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
+if [ "${1:-}" = kernels ]; then
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels > "$OUT/kernels_cuda.log" 2>&1
+    tail -30 "$OUT/kernels_cuda.log"
+    exit 0
+fi
 began=$SECONDS
 timeout 390 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kernels \
     --ignore=tests/engine/test_tensor_parallel.py 2>&1 | tail -5 | tee "$OUT/session.log"
