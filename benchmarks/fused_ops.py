@@ -107,7 +107,9 @@ LORA_TILE_VARIANTS: dict[str, list[LoRATileConfig]] = {
     # registers a thread on sm_90 (ptxas), so only the whole tile tries it
     "rotary_and_write_kv": [LoRATileConfig(heads, 16, warps, rows) for heads, warps, rows in
                             [(1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0), (4, 4, 0), (4, 8, 0), (1, 4, 32), (1, 8, 32),
-                             (2, 4, 32), (2, 8, 32), (4, 8, 32)]],
+                             (2, 4, 32), (2, 8, 32), (4, 8, 32)]]
+    # rank blocks of 64, as the SiLU·up's (for `--rank 32` / `--rank 64`)
+    + [LoRATileConfig(heads, 64, warps, rows) for heads, warps, rows in [(1, 4, 32), (1, 4, 0), (2, 8, 32)]],
 }
 
 
