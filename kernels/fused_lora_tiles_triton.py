@@ -47,18 +47,20 @@ class LoRATileConfig:
             raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
 
 
-# Winners of `benchmarks/fused_ops.py --lora-only --tokens 2048` on an H200 (Llama-3-8B shapes, 64-row tiles, rank
-# 16; triton 3.6), 2026-11-30, us over 8 / 64 adapters against the SGMV expand followed by the op: silu_and_mul
-# 89.1 / 113.1 against 120.9 / 153.3, rotary and KV write 27.4 / 36.5 against 30.2 / 38.2; add_rms_norm at
-# best 56.9 against 36.1 over 64 adapters, slower, so `lora_tuning.FOLDED_OPS` leaves o and down to the expand
-# on this path. silu_and_mul from `--tokens 8192 512 256 --ops silu_and_mul` (2026-11-30; 8 / 64 adapters, us): its
-# programs walking whole tiles with B loaded once, 220.8 / 239.7, 22.1 / 35.9 and 10.0 / 30.9, against 337.3 /
-# 345.9, 23.3 / 51.5 and 11.2 / 36.4 taking 16 rows each. rotary_and_write_kv, its walk from `--ops
-# rotary_and_write_kv` (the same token counts): 32 rows a program 98.2 / 104.1, 8.9 / 13.0 and 5.7 / 10.0, against
-# 101.5 / 112.2, 8.7 / 16.2 and 5.8 / 10.1 for 16 rows and 94.7 / 99.3, 12.7 / 12.8 and 5.7 / 10.1 for the whole
-# tile. silu_and_mul's rank block of 64 (the rank's power of two up to 64, so a walk keeps B loaded at ranks 32
-# and 64; rank 16 is unchanged), `--rank 32` / `--rank 64`, 8192 tokens: 394.7 / 415.8 -> 244.8 / 266.7 and 651.7 /
-# 714.6 -> 354.3 / 403.8 us; 512 tokens: 35.7 / 62.6 -> 25.9 / 51.9 and 61.3 / 103.5 -> 36.4 / 87.6. Op name -> config.
+# Chosen with `benchmarks/fused_ops.py --lora-only` on an H200 (Llama-3-8B shapes; triton 3.6), us over 8 / 64
+# adapters, against the SGMV expand followed by the plain op where not said:
+# - 2048 tokens (64-row tiles, rank 16): silu_and_mul 89.1 / 113.1 against 120.9 / 153.3; rotary and KV write
+#   27.4 / 36.5 against 30.2 / 38.2; add_rms_norm at best 56.9 against 36.1 over 64 adapters, slower, so
+#   `lora_tuning.FOLDED_OPS` leaves o and down to the expand on this path.
+# - silu_and_mul walking whole tiles on B loaded once (`--tokens 8192 512 256`, rank 16): 220.8 / 239.7, 22.1 /
+#   35.9 and 10.0 / 30.9, against 337.3 / 345.9, 23.3 / 51.5 and 11.2 / 36.4 taking 16 rows a program.
+# - Its rank block of 64 (the rank's power of two up to 64, so a walk keeps B loaded at ranks 32 and 64; rank 16
+#   is unchanged), 8192 / 512 tokens: rank 32 394.7 / 415.8 -> 244.8 / 266.7 and 35.7 / 62.6 -> 25.9 / 51.9;
+#   rank 64 651.7 / 714.6 -> 354.3 / 403.8 and 61.3 / 103.5 -> 36.4 / 87.6.
+# - rotary_and_write_kv's walk, 32 rows a program (8192 / 512 / 256 tokens, rank 16): 98.2 / 104.1, 8.9 / 13.0 and
+#   5.7 / 10.0, against 101.5 / 112.2, 8.7 / 16.2 and 5.8 / 10.1 for 16 rows and 94.7 / 99.3, 12.7 / 12.8 and
+#   5.7 / 10.1 for the whole tile.
+# Op name -> config.
 LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
     "silu_and_mul": LoRATileConfig(chunk=128, block_r=64, num_warps=4, rows=0),
     "add_rms_norm": LoRATileConfig(chunk=512, block_r=16, num_warps=8, rows=32),
