@@ -17,8 +17,11 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 if [ "${1:-}" = kernels ]; then
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels > "$OUT/kernels_cuda.log" 2>&1
-    tail -30 "$OUT/kernels_cuda.log"
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_fused_lora_tiles.py \
+        > "$OUT/tiles_cuda.log" 2>&1
+    timeout 340 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels \
+        --ignore=tests/kernels/test_fused_lora_tiles.py > "$OUT/kernels_cuda.log" 2>&1
+    tail -n 20 "$OUT/tiles_cuda.log" "$OUT/kernels_cuda.log"
     exit 0
 fi
 began=$SECONDS
