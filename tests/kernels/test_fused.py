@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kernels import fused_torch
-from tests.kernels.lora_cases import record_calls, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, relative_error, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_triton = pytest.mark.skipif(not triton_runs_in_process(),
@@ -22,10 +22,6 @@ def _impls():
 
         impls.append(pytest.param(fused_triton, id="triton"))
     return impls
-
-
-def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double() - want).norm() / want.norm()).item()
 
 
 @pytest.fixture(params=_impls())
@@ -43,7 +39,7 @@ def test_add_rms_norm(impl, dtype, with_residual):
     out, hidden = impl.add_rms_norm(x, residual, weight, 1e-6)
     h = x.double() + (residual.double() if with_residual else 0)
     want = weight.double() * h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-    assert _rel(hidden, h) <= TOLERANCE[dtype] and _rel(out, want) <= TOLERANCE[dtype]
+    assert relative_error(hidden, h) <= TOLERANCE[dtype] and relative_error(out, want) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -52,7 +48,7 @@ def test_silu_and_mul(impl, dtype):
     gate_up = (torch.randn(5, 2 * 96, generator=gen) * 3).to(DEVICE, dtype)
     gate, up = gate_up.double().chunk(2, dim=-1)
     want = gate * torch.sigmoid(gate) * up
-    assert _rel(impl.silu_and_mul(gate_up), want) <= TOLERANCE[dtype]
+    assert relative_error(impl.silu_and_mul(gate_up), want) <= TOLERANCE[dtype]
 
 
 # (heads, kv_heads, head_dim): Llama-3-8B, the tiny test models, and padded head counts and half widths
@@ -105,7 +101,7 @@ def test_rotary_and_write_kv_rotates_q_and_k_in_place(impl, shape, dtype):
     want_q, want_k = fused_torch.rotary(case.q.double(), case.k.double(), case.cos.double(), case.sin.double(),
                                         case.positions)
     case.run(impl)
-    assert _rel(case.q, want_q) <= TOLERANCE[dtype] and _rel(case.k, want_k) <= TOLERANCE[dtype]
+    assert relative_error(case.q, want_q) <= TOLERANCE[dtype] and relative_error(case.k, want_k) <= TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
