@@ -60,11 +60,13 @@ class LoRATileConfig:
 # - rotary_and_write_kv's walk, 32 rows a program (8192 / 512 / 256 tokens, rank 16): 98.2 / 104.1, 8.9 / 13.0 and
 #   5.7 / 10.0, against 101.5 / 112.2, 8.7 / 16.2 and 5.8 / 10.1 for 16 rows and 94.7 / 99.3, 12.7 / 12.8 and
 #   5.7 / 10.1 for the whole tile.
+# - Its rank block of 64 (as silu_and_mul's; rank 16 is unchanged), rank 64, 8192 / 512 tokens: 209.1 / 224.8 ->
+#   127.7 / 142.1 and 18.2 / 35.6 -> 12.2 / 26.5, against 150.5 / 169.6 and 19.1 / 41.8.
 # Op name -> config.
 LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
     "silu_and_mul": LoRATileConfig(chunk=128, block_r=64, num_warps=4, rows=0),
     "add_rms_norm": LoRATileConfig(chunk=512, block_r=16, num_warps=8, rows=32),
-    "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=16, num_warps=4, rows=32),
+    "rotary_and_write_kv": LoRATileConfig(chunk=1, block_r=64, num_warps=4, rows=32),
 }
 
 

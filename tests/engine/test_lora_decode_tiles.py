@@ -21,7 +21,7 @@ from engine.step_input import LoRAStep
 from kernels import lora_tuning
 from tests.engine.recording_graph import record_replays
 from tests.fresh_interpreter import run_pytest_interpreted, triton_interpreted_here
-from tests.kernels.lora_cases import record_calls
+from tests.kernels.lora_cases import record_calls, same_op
 from tests.tiny_models import make_peft_adapter
 
 TRITON_HERE = triton_interpreted_here()
@@ -63,7 +63,7 @@ def test_a_tiled_fold_on_a_per_token_step_equals_the_expand_then_silu(monkeypatc
     got = fused_triton.silu_and_mul(base, delta)
     assert [call.name for call in launches] == ["_silu_and_mul_tiles_kernel"]
     unfused, _ = linear(x, LoRAStep(meta))
-    torch.testing.assert_close(got, fused_triton.silu_and_mul(unfused), rtol=0, atol=0)
+    same_op(got, fused_triton.silu_and_mul(unfused))
 
 
 def _greedy_tokens(llm: LLM, adapters: list[LoRARequest]) -> list[list[int]]:

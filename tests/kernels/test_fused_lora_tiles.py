@@ -5,8 +5,9 @@ unsorted across slots, a slot with more tokens than a tile holds, empty slots, b
 mixed in, a rank that is not a power of two (and one past the rank block, which loops) and widths that are
 not. Outputs start as NaN, so a row no program writes fails. As in test_fused_lora, h and B hold multiples of
 1/8 and 1/16 (the delta's float32 sum is exact in any order) and the oracle is the same backend's expand and
-plain op, which the tiled variants must match exactly; one test per op holds them to float64 with random
-values. The dispatcher test checks which variant a step's token count gets.
+plain op, which the tiled variants must match exactly (`same_op`: compiled float32 results to their last bits);
+one test per op holds them to float64 with random values. The dispatcher test checks which variant a step's
+token count gets.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from tests.kernels.lora_cases import (
     record_calls,
     relative_error,
     replays_the_next_step,
-    same,
+    same_op,
     slots_tensor,
     triton_runs_in_process,
     within_a_rounding,
@@ -122,7 +123,7 @@ def _gate_up(slots: list[int], dtype: torch.dtype) -> torch.Tensor:
 def _walk_launches():
     """The ops' launches, and 32-row tiles taken whole, so a program walks two 16-row steps (silu_and_mul,
     rotary_and_write_kv): on B loaded once (rank 12, one rank block), on B read each step (rank 20 in blocks of
-    16), and with the default launch at rank 20 (SiLU·up's rank block then covers it, so B is loaded once with
+    16), and with the default launch at rank 20 (the ops' rank block of 64 then covers it, so B is loaded once with
     its last 12 rank columns masked)."""
     from kernels.fused_lora_tiles_triton import LoRATileConfig
 
@@ -141,7 +142,7 @@ def test_tiled_silu_and_mul_equals_expand_then_op(slots, launch, dtype):
     gate_up = _gate_up(slots, dtype)
     lora = exact_delta(slots, [INTERMEDIATE] * 2, launch.rank, dtype, seed=4, device=DEVICE, block_m=launch.block_m)
     got = tiles.silu_and_mul(gate_up, lora, out=_poisoned(len(slots), INTERMEDIATE, dtype=dtype), **_config(launch))
-    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+    same_op(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)))
 
 
 @pytest.mark.parametrize("launch", _walk_launches())
@@ -190,7 +191,7 @@ def test_tiled_add_rms_norm_equals_expand_then_norm(slots, launch, dtype, with_r
     poisoned = (_poisoned(len(slots), WIDTH, dtype=dtype), _poisoned(len(slots), WIDTH, dtype=dtype))
     out, hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, out=poisoned, **_config(launch))
     want_out, want_hidden = fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)
-    torch.testing.assert_close(hidden, want_hidden, rtol=0, atol=0)
+    same_op(hidden, want_hidden)
     within_a_rounding(out, want_out)
 
 
@@ -236,7 +237,7 @@ def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, d
     want.qkv.copy_(_expanded(want.qkv, lora))
     want.run(fused_triton.rotary_and_write_kv)
     for a, b in zip(got.outputs(), want.outputs()):
-        same(a, b)
+        same_op(a, b)
 
 
 @pytest.mark.parametrize("launch", _walk_launches())
@@ -269,19 +270,18 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
     gate_up = _gate_up(slots, torch.float32)[:, :32]
     lora = exact_delta(slots, [16, 16], 8, torch.float32, seed=4, device=DEVICE)
     got = fused_triton.silu_and_mul(gate_up, lora)
-    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+    same_op(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)))
     x, residual, weight = _norm_inputs(slots, torch.float32, True)
     lora = exact_delta(slots, [WIDTH], 8, torch.float32, seed=2, device=DEVICE)
     got = fused_triton.add_rms_norm(x, residual, weight, EPS, lora)[1]
-    torch.testing.assert_close(got, fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)[1],
-                               rtol=0, atol=0)
+    same_op(got, fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)[1])
     got, want = (RotaryCase.random((4, 2, 16), num_tokens, torch.float32, DEVICE) for _ in range(2))
     lora = exact_delta(slots, got.widths, 8, torch.float32, seed=6, device=DEVICE)
     got.run(fused_triton.rotary_and_write_kv, lora)
     want.qkv.copy_(_expanded(want.qkv, lora))
     want.run(fused_triton.rotary_and_write_kv)
     for a, b in zip(got.outputs(), want.outputs()):
-        same(a, b)
+        same_op(a, b)
     assert [call.name for call in launches] == kernels * (lora_tuning.choose_path(num_tokens) == "sgmv")
 
 
@@ -298,7 +298,7 @@ def test_a_delta_marked_tiled_takes_the_tiled_variant_on_a_per_token_step(monkey
     lora = exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.float32, seed=4, device=DEVICE)
     got = fused_triton.silu_and_mul(gate_up, replace(lora, tiled=True))
     assert [call.name for call in launches] == ["_silu_and_mul_tiles_kernel"]
-    torch.testing.assert_close(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)), rtol=0, atol=0)
+    same_op(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)))
 
 
 @pytest.mark.gpu
