@@ -159,9 +159,9 @@ def within_a_rounding(got: torch.Tensor, want: torch.Tensor) -> None:
 def same_op(got: torch.Tensor, want: torch.Tensor) -> None:
     """Two kernels' results for one op on the same inputs: the same to the bit under the interpreter, which
     evaluates each expression as written. Compiled on a GPU, float32 results may differ in their last bits: each
-    kernel's arithmetic contracts into fused multiply-adds its own way, and Triton folds `y + dot(h, B)` into the
-    dot's accumulator, so y joins the rank sum's roundings. Allowed there: 32 float32 roundings of the largest
-    result. 16-bit results, rounded from those float32 values, stay the same to the bit."""
+    kernel's arithmetic contracts into fused multiply-adds its own way, and Triton's combine pass folds
+    `y + dot(h, B)` into the dot's accumulator, so y joins the rank sum's roundings. Allowed there: 32 float32
+    roundings of the largest result. 16-bit results, rounded from those float32 values, stay the same to the bit."""
     if got.is_cuda and got.dtype == torch.float32:
         scale = want.nan_to_num(nan=0.0).abs().max().item()
         torch.testing.assert_close(got, want, rtol=0, atol=32 * torch.finfo(torch.float32).eps * scale,
