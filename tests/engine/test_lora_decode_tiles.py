@@ -25,7 +25,7 @@ from tests.kernels.lora_cases import record_calls, same_op
 from tests.tiny_models import make_peft_adapter
 
 TRITON_HERE = triton_interpreted_here()
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take CUDA tensors
 FOLD = frozenset({"silu_and_mul"})
 # 32 rows: 16 on one adapter, 8 on another, 8 on the base model (12 adapter rows per adapter: tiled); the
 # prompts' first tokens come from prefill steps, the second from a decode step of all 32 rows
@@ -104,7 +104,8 @@ def test_decode_steps_of_many_rows_on_few_adapters_tile_and_generate_the_untiled
     tokens = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, switch)
-        llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
+        llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
+                  max_lora_rank=8)
         for lora in adapters:  # read now: the first step admits every request, so a decode step holds all rows
             llm.engine.lora_manager.add(lora)
         decode_tiles = _record_decode_tiles(monkeypatch, llm)

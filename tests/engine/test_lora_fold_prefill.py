@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from kernels import lora_tuning
@@ -17,6 +18,7 @@ from tests.kernels.lora_cases import record_calls
 from tests.tiny_models import make_peft_adapter
 
 TRITON_HERE = triton_interpreted_here()
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kernels take CUDA tensors
 # about 50 tokens each: the adapters' prompts share a step of more than SGMV_MIN_TOKENS tokens
 PROMPTS = [2 * text for text in [
     "The capital of France is Paris. The capital of Italy is Rome. The capital of ",
@@ -28,7 +30,8 @@ PARAMS = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
 
 def _greedy_tokens(model_dir: Path, loras: list[LoRARequest | None]) -> list[list[int]]:
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
     outputs = llm.generate(PROMPTS, PARAMS, lora_request=loras, use_tqdm=False)
     return [output.outputs[0].token_ids for output in outputs]
 
