@@ -10,17 +10,21 @@
 #     bash benchmarks/h200_session.sh            # through `device`: run(command="bash benchmarks/h200_session.sh")
 #     bash benchmarks/h200_session.sh kernels    # instead: every kernel test on CUDA, the interpreter's ones too
 #
-# The kernels' unmarked tests run under the Triton interpreter in CI; on a GPU they run compiled, where
-# fused multiply-adds and reduction trees follow each kernel's layout. `kernels` keeps their whole output.
+# The kernels' unmarked tests, and the engine's tests of the Triton folds, run under the Triton interpreter in
+# CI; on a GPU they run compiled, where fused multiply-adds and reduction trees follow each kernel's layout
+# (`lora_cases.same_op`). `kernels` runs them all there and keeps their whole output.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 if [ "${1:-}" = kernels ]; then
-    timeout 200 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels/test_fused_lora_tiles.py \
-        > "$OUT/tiles_cuda.log" 2>&1
-    timeout 340 python3 -m pytest -q -p no:cacheprovider -rf tests/kernels \
-        --ignore=tests/kernels/test_fused_lora_tiles.py > "$OUT/kernels_cuda.log" 2>&1
+    # two processes at once (about 4 minutes): the compiles are CPU-bound and the machine has 16 cores
+    tiled=(tests/kernels/test_fused_lora_tiles.py tests/engine/test_lora_decode_tiles.py
+           tests/engine/test_lora_fold_prefill.py)
+    timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=line -rf "${tiled[@]}" > "$OUT/tiles_cuda.log" 2>&1 &
+    timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=line -rf tests/kernels \
+        --ignore=tests/kernels/test_fused_lora_tiles.py > "$OUT/kernels_cuda.log" 2>&1 &
+    wait
     tail -n 20 "$OUT/tiles_cuda.log" "$OUT/kernels_cuda.log"
     exit 0
 fi
