@@ -18,10 +18,10 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
 mkdir -p "$OUT"
 if [ "${1:-}" = kernels ]; then
-    # two processes at once (about 4 minutes): the compiles are CPU-bound and the machine has 16 cores
+    # two processes at once (about 6 minutes): the compiles are CPU-bound and the machine has 16 cores
     tiled=(tests/kernels/test_fused_lora_tiles.py tests/engine/test_lora_decode_tiles.py
            tests/engine/test_lora_fold_prefill.py)
-    timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=line -rf "${tiled[@]}" > "$OUT/tiles_cuda.log" 2>&1 &
+    timeout 480 python3 -m pytest -q -p no:cacheprovider --tb=line -rf "${tiled[@]}" > "$OUT/tiles_cuda.log" 2>&1 &
     timeout 400 python3 -m pytest -q -p no:cacheprovider --tb=line -rf tests/kernels \
         --ignore=tests/kernels/test_fused_lora_tiles.py > "$OUT/kernels_cuda.log" 2>&1 &
     wait
