@@ -14,6 +14,9 @@ import torch
 
 from kernels import lora_tuning
 
+# the rank of a slot whose rank is not given: larger than any max rank, so every row of it is read
+UNKNOWN_RANK = 2**30
+
 
 def max_tiles(num_tokens: int, num_slots: int, block_m: int) -> int:
     """Upper bound on SGMV tiles: each non-empty group (slots and the base) adds at most one partial tile."""
@@ -27,6 +30,12 @@ class LoRAMetadata:
     Buffers are sized for `capacity` tokens; the first `num_tokens` entries are in use.
     Tiles are runs of at most `block_m` tokens of one group in `token_order`: a tile of
     slot -1 holds base-model tokens, a tile of length 0 is unused.
+
+    Ranks: a slot's A rows and B columns past its adapter's rank are zero padding up to the slots' max
+    rank, and the kernels do not read them. `token_rank` and `tile_rank` carry each token's and each
+    tile's slot rank (0 for base tokens) beside `slots` and `tile_slot`, so a kernel loads it with the slot,
+    not after it. A slot whose rank is not given counts as UNKNOWN_RANK: every row is read (kernels take
+    the smaller of it and the max rank).
     """
 
     num_tokens: int
@@ -38,6 +47,8 @@ class LoRAMetadata:
     tile_slot: torch.Tensor  # [max_tiles(capacity)] int32
     tile_start: torch.Tensor  # [max_tiles(capacity)] int32, offset into token_order
     tile_len: torch.Tensor  # [max_tiles(capacity)] int32
+    token_rank: torch.Tensor  # [capacity] int32, the rank of each token's slot, 0 for base tokens
+    tile_rank: torch.Tensor  # [max_tiles(capacity)] int32, the rank of each tile's slot, 0 for base or unused tiles
 
     @classmethod
     def empty(
@@ -51,7 +62,7 @@ class LoRAMetadata:
             return torch.zeros(n, dtype=torch.int32, device=device)
 
         return cls(0, num_slots, block_m, buf(max_tokens), buf(max_tokens), buf(num_slots + 1),
-                   buf(tiles), buf(tiles), buf(tiles))
+                   buf(tiles), buf(tiles), buf(tiles), buf(max_tokens), buf(tiles))
 
     @property
     def capacity(self) -> int:
@@ -67,9 +78,16 @@ class LoRAMetadata:
         return max_tiles(self.num_tokens, self.num_slots, self.block_m)
 
 
-def prepare_lora_metadata(slots: torch.Tensor, num_slots: int, *, out: LoRAMetadata | None = None) -> LoRAMetadata:
-    """Group the tokens of one step by adapter slot (`slots[t]` in [-1, num_slots); -1 = base model)."""
+def prepare_lora_metadata(slots: torch.Tensor, num_slots: int, *, slot_ranks: torch.Tensor | None = None,
+                          out: LoRAMetadata | None = None) -> LoRAMetadata:
+    """Group the tokens of one step by adapter slot (`slots[t]` in [-1, num_slots); -1 = base model).
+
+    slot_ranks: [num_slots] int32 on the device, each slot's adapter rank (the kernels skip the padding past
+    it); read on the device, so a CUDA graph captured over this call sees ranks written after capture.
+    Without it every slot counts as UNKNOWN_RANK."""
     num_tokens = slots.shape[0]
+    if slot_ranks is not None and slot_ranks.shape != (num_slots,):
+        raise ValueError(f"slot_ranks must hold one rank per slot ({num_slots}), got {list(slot_ranks.shape)}")
     if out is None:
         out = LoRAMetadata.empty(num_tokens, num_slots, slots.device)
     elif out.num_slots != num_slots or out.capacity < num_tokens:
@@ -101,4 +119,10 @@ def prepare_lora_metadata(slots: torch.Tensor, num_slots: int, *, out: LoRAMetad
     out.tile_slot[:tiles].copy_(torch.where(used & (group < num_slots), group, -1))
     out.tile_start[:tiles].copy_(torch.where(used, group_start[group] + row0, 0))
     out.tile_len[:tiles].copy_(torch.where(used, (counts[group] - row0).clamp(0, block_m), 0))
+    if slot_ranks is None:
+        slot_ranks = torch.full((num_slots,), UNKNOWN_RANK, dtype=torch.int32, device=device)
+    rank_of = torch.cat([slot_ranks.to(device=device, dtype=torch.int32),
+                         torch.zeros(1, dtype=torch.int32, device=device)])  # the base model's group: rank 0
+    out.token_rank[:num_tokens].copy_(rank_of[key])
+    out.tile_rank[:tiles].copy_(torch.where(used, rank_of[group], 0))
     return out

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from kernels import LoRAMetadata, prepare_lora_metadata
+from kernels.lora_metadata import UNKNOWN_RANK
 from tests.kernels.lora_cases import NUM_SLOTS, PATTERNS, slots_tensor
 
 
@@ -70,3 +71,27 @@ def test_static_buffers_too_small_are_refused():
 def test_no_tokens_gives_no_tiles():
     meta = prepare_lora_metadata(torch.empty(0, dtype=torch.int32), NUM_SLOTS)
     assert meta.num_tiles == 0 and meta.group_counts.sum().item() == 0
+
+
+def test_each_token_and_tile_carries_its_slot_rank_and_base_tokens_rank_zero():
+    pattern = PATTERNS["unsorted_with_empty_groups"]
+    ranks = torch.arange(3, 3 + NUM_SLOTS, dtype=torch.int32)
+    meta = prepare_lora_metadata(slots_tensor(pattern), NUM_SLOTS, slot_ranks=ranks,
+                                 out=LoRAMetadata.empty(len(pattern), NUM_SLOTS, "cpu", block_m=2))
+    assert meta.token_rank[: len(pattern)].tolist() == [0 if s < 0 else 3 + s for s in pattern]
+    for j in range(meta.num_tiles):
+        slot, length = meta.tile_slot[j].item(), meta.tile_len[j].item()
+        assert meta.tile_rank[j].item() == (3 + slot if length and slot >= 0 else 0)
+
+
+def test_slots_without_given_ranks_count_as_unknown_rank():
+    meta = prepare_lora_metadata(slots_tensor([1, -1, 0]), NUM_SLOTS)
+    assert meta.token_rank[:3].tolist() == [UNKNOWN_RANK, 0, UNKNOWN_RANK]
+
+
+def test_slot_ranks_of_the_wrong_length_are_refused_before_any_buffer_changes():
+    out = LoRAMetadata.empty(4, NUM_SLOTS, "cpu")
+    with pytest.raises(ValueError, match="one rank per slot"):
+        prepare_lora_metadata(slots_tensor([0, 1]), NUM_SLOTS, slot_ranks=torch.ones(NUM_SLOTS + 1, dtype=torch.int32),
+                              out=out)
+    assert out.num_tokens == 0 and not out.slots.any()
