@@ -79,7 +79,8 @@ class ProcessReader:
                 raise TimeoutError(f"adapter reader processes were not ready after {timeout} s")
 
     def submit(self, path: str | Path, row: int) -> Future:
-        """Read the adapter at `path` into pool row `row`; the future completes once the row is written."""
+        """Read the adapter at `path` into pool row `row`; the future completes, with the row's rank, once the row
+        is written."""
         future: Future = Future()
         with self._lock:
             if self._broken is not None:
@@ -133,12 +134,12 @@ class ProcessReader:
                         if self._ready_count == self._count:
                             self._ready.set()
                     continue
-                job, error = message
+                job, rank, error = message
                 with self._lock:
                     future = self._futures.pop(job, None)
                     self._restarts = 0
                 if future is not None:
-                    future.set_result(None) if error is None else future.set_exception(error)
+                    future.set_result(rank) if error is None else future.set_exception(error)
         except BaseException as exc:  # the listener must not die silently: see the docstring
             self._give_up(RuntimeError(f"the adapter reader failed: {type(exc).__name__}: {exc}"))
             return
@@ -162,10 +163,11 @@ class ProcessReader:
                 self._start_children()
         error = RuntimeError(f"adapter reader process {dead.name} exited (code {dead.exitcode}) with reads in flight")
         for job, future in pending.items():
-            if job in answered and answered[job] is None:
-                future.set_result(None)
+            rank, failure = answered.get(job, (None, error))
+            if failure is None:
+                future.set_result(rank)
             else:
-                future.set_exception(answered.get(job) or error)
+                future.set_exception(failure)
         if too_many:
             self._give_up(RuntimeError(f"adapter reader processes keep exiting (last: {dead.name}, code "
                                        f"{dead.exitcode}); no more adapters can be read"))
@@ -185,8 +187,8 @@ class ProcessReader:
             future.set_exception(error)
 
 
-def _drain(results) -> dict[int, BaseException | None]:
-    """The answers (job -> error or None) already in a results queue, without waiting for more."""
+def _drain(results) -> dict[int, tuple[int | None, BaseException | None]]:
+    """The answers (job -> (rank, None) or (None, error)) already in a results queue, without waiting for more."""
     answered = {}
     while True:
         try:
@@ -194,8 +196,8 @@ def _drain(results) -> dict[int, BaseException | None]:
         except queue.Empty:
             return answered
         if isinstance(message, tuple):
-            job, error = message
-            answered[job] = error
+            job, rank, error = message
+            answered[job] = rank, error
 
 
 @contextlib.contextmanager
@@ -214,7 +216,8 @@ def _main_module_hidden():
 
 def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
            jobs, results) -> None:
-    """A child's loop: one read at a time, each answered with (job, None) or (job, the error). Ctrl-C is
+    """A child's loop: one read at a time, each answered with (job, the row's rank, None) or (job, None, the
+    error). Ctrl-C is
     the parent's to handle: the parent closes the reader as it shuts down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
@@ -222,10 +225,10 @@ def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_
     while (job := jobs.get()) is not None:
         job_id, path, row = job
         try:
-            layout.write(load_adapter(path, model_info, allow_pickle=allow_pickle, dtype=pool.dtype), pool[row])
-            results.put((job_id, None))
+            rank = layout.write(load_adapter(path, model_info, allow_pickle=allow_pickle, dtype=pool.dtype), pool[row])
+            results.put((job_id, rank, None))
         except Exception as exc:  # any failure of one read is that read's answer
-            results.put((job_id, _sendable(exc)))
+            results.put((job_id, None, _sendable(exc)))
 
 
 def _sendable(exc: Exception) -> Exception:

@@ -128,12 +128,13 @@ class StagedBlockTables:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches, *, max_num_seqs: int, max_blocks_per_seq: int,
-                 scratch_block: int, block_size: int, num_lora_slots: int, device: torch.device):
+                 scratch_block: int, block_size: int, lora_slot_ranks: torch.Tensor | None, device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
-        self.num_lora_slots = num_lora_slots
+        self.lora_slot_ranks = lora_slot_ranks  # read by the captured metadata preparation at each replay
+        self.num_lora_slots = num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.shape[0]
         self.buckets = default_buckets(max_num_seqs)
         top = self.buckets[-1]
         # one row per per-token input (token id, position, KV slot, context length, adapter slot, and
@@ -206,7 +207,8 @@ class DecodeGraphs:
     def _prepare_lora(self, size: int) -> None:
         """Groups the tokens by adapter slot from the static slot buffer; captured in the graph, so a
         replay does it without host work."""
-        kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, out=self.lora_meta[size])
+        kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, slot_ranks=self.lora_slot_ranks,
+                                      out=self.lora_meta[size])
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]

@@ -131,7 +131,7 @@ class LLMEngine:
             adapter_slots=self.lora_manager, admission_order=config.admission_order,
         )
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
-                                  num_lora_slots=config.max_loras if config.enable_lora else 0)
+                                  lora_slot_ranks=None if self.lora_manager is None else self.lora_manager.slot_ranks)
         if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
             piecewise = config.cudagraph_mode == "full_and_piecewise"
             capture_started = time.perf_counter()

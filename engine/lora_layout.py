@@ -50,10 +50,12 @@ class SlotLayout:
             linear.lora_b = [slots[:, p.b_offset:p.b_offset + p.out_features * r].view(num_slots, p.out_features, r)
                              for p in slices]
 
-    def write(self, adapter: LoadedAdapter, row: torch.Tensor) -> None:
+    def write(self, adapter: LoadedAdapter, row: torch.Tensor) -> int:
         """Lay an adapter out in one slot row [numel]: its A and B (converted to the row's dtype), zeros
-        past its rank and for projections it does not target."""
+        past its rank and for projections it does not target. Returns the row's rank: its largest module
+        rank, past which every projection's A rows and B columns are zero (the kernels skip them)."""
         r_max = self.max_rank
+        rank = 0
         for slices in self.regions:
             for p in slices:
                 a = row[p.a_offset:p.a_offset + r_max * p.in_features].view(r_max, p.in_features)
@@ -64,8 +66,10 @@ class SlotLayout:
                     b.zero_()
                     continue
                 r = weights.rank
+                rank = max(rank, r)
                 a[:r].copy_(weights.lora_a)
                 b[:, :r].copy_(weights.lora_b)
                 if r < r_max:
                     a[r:].zero_()
                     b[:, r:].zero_()
+        return rank

@@ -69,11 +69,15 @@ class LoRAManager:
         self.layout = SlotLayout(layers, max_lora_rank)
         self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
         self.layout.bind(self._slots, layers)
+        # each slot's adapter rank, read by the kernels on the device (they skip the zero padding past it);
+        # written in stream order with the slot's weights
+        self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.reads_in_process = read_in_process = _reads_in_process(
             read_in_process, max_cpu_loras * self.layout.numel * dtype.itemsize, max_cpu_loras)
         self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
                                 shared=read_in_process)
         self._free_rows = list(range(max_cpu_loras))
+        self._row_ranks = [0] * max_cpu_loras  # the rank of the adapter each host row holds
         self.known: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, int] = OrderedDict()  # adapter id -> its row of the host pool, LRU first
         self.slot_owner: list[int | None] = [None] * max_loras
@@ -108,7 +112,7 @@ class LoRAManager:
         if adapter is not None:
             row = self._reserve_row()
             self._wait_for_row(row)
-            self.layout.write(self._transform(adapter), self._pool[row])
+            self._row_ranks[row] = self.layout.write(self._transform(adapter), self._pool[row])
             self._cache(lora_request.lora_int_id, row)
         else:
             self._host_row(lora_request)
@@ -202,6 +206,7 @@ class LoRAManager:
             if future.done():
                 del self._reads[int_id]
                 if future.exception() is None:
+                    self._row_ranks[row] = future.result()
                     self._cache(int_id, row)
                 else:
                     self._free_rows.append(row)
@@ -287,21 +292,21 @@ class LoRAManager:
         self.disk_reads += 1
         row = self._reserve_row()
         try:
-            self._read(lora_request, row, self._row_copies.pop(row, None))
+            self._row_ranks[row] = self._read(lora_request, row, self._row_copies.pop(row, None))
         except BaseException:
             self._free_rows.append(row)
             raise
         self._cache(int_id, row)
         return row
 
-    def _read(self, lora_request: LoRARequest, row: int, last_copy: torch.cuda.Event | None) -> None:
-        """Disk to host row: validate, load, shard (tensor parallelism) and lay out one adapter. The row
-        is overwritten only once the slot load that last read it has finished."""
+    def _read(self, lora_request: LoRARequest, row: int, last_copy: torch.cuda.Event | None) -> int:
+        """Disk to host row: validate, load, shard (tensor parallelism) and lay out one adapter; its rank. The
+        row is overwritten only once the slot load that last read it has finished."""
         adapter = self._transform(load_adapter(lora_request.lora_path, self.model_info,
                                                allow_pickle=self.allow_pickle, dtype=self.dtype))
         if last_copy is not None:
             last_copy.synchronize()
-        self.layout.write(adapter, self._pool[row])
+        return self.layout.write(adapter, self._pool[row])
 
     def _cache(self, int_id: int, row: int) -> None:
         self._drop_host_copy(int_id)
@@ -334,13 +339,16 @@ class LoRAManager:
         if self.on_slot_load is not None:
             self.on_slot_load(lora_request, slot)
         row = self._host_row(lora_request)
+        rank = self._row_ranks[row]
         if self._copy_stream is None:
             self._slots[slot].copy_(self._pool[row])
+            self.slot_ranks[slot] = rank
         else:
             # the slot may still be read by work queued on the compute stream for its last owner
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 self._slots[slot].copy_(self._pool[row], non_blocking=True)
+                self.slot_ranks[slot:slot + 1].fill_(rank)  # a kernel: no host buffer for a later write to race
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             self._pending_loads.append(event)

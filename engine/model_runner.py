@@ -22,12 +22,15 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, num_lora_slots: int = 0):
+                 block_size: int, device: torch.device, lora_slot_ranks: torch.Tensor | None = None):
+        """lora_slot_ranks: each adapter slot's rank on the device (`LoRAManager.slot_ranks`), None without
+        adapter slots."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
-        self.num_lora_slots = num_lora_slots
+        self.lora_slot_ranks = lora_slot_ranks
+        self.num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.shape[0]
         self.graphs = None
         self.piecewise = None
 
@@ -43,7 +46,8 @@ class ModelRunner:
         if any(s >= 0 for s in adapter_slots):
             num_tokens = len(lora_slots)
             token_slots = (slot for item, slot in zip(scheduled, adapter_slots) for _ in range(item.num_new_tokens))
-            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots),
+            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots,
+                                                          slot_ranks=self.lora_slot_ranks),
                             fold_into=lora_tuning.folded_ops(num_tokens),
                             tiled_folds=lora_tuning.tiled_decode_ops(num_tokens, token_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
@@ -116,11 +120,11 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    scratch_block=scratch_block, block_size=self.block_size,
-                                   num_lora_slots=self.num_lora_slots, device=self.device)
+                                   lora_slot_ranks=self.lora_slot_ranks, device=self.device)
         if max_num_batched_tokens is not None:
             self.piecewise = PiecewiseGraphs(self.model, self.kv_caches, max_tokens=max_num_batched_tokens,
                                              scratch_slot=scratch_block * self.block_size,
-                                             num_lora_slots=self.num_lora_slots, device=self.device)
+                                             lora_slot_ranks=self.lora_slot_ranks, device=self.device)
 
     def replays_graph(self, batch: int) -> bool:
         """True when a decode-only step of `batch` sequences replays a CUDA graph."""

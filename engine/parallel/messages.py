@@ -105,7 +105,8 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
     )
 
 
-def decode_step(message: Step, device: torch.device) -> StepInput:
+def decode_step(message: Step, device: torch.device, lora_slot_ranks: torch.Tensor | None = None) -> StepInput:
+    """lora_slot_ranks: this worker's slot ranks (`LoRAManager.slot_ranks`), which the LoRA kernels read."""
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 
@@ -114,7 +115,8 @@ def decode_step(message: Step, device: torch.device) -> StepInput:
     if message.lora_slots is not None:
         import kernels
 
-        lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots),
+        lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots,
+                                                      slot_ranks=lora_slot_ranks),
                         fold_into=message.lora_fold_into, tiled_folds=message.lora_tiled_folds)
     prefill = None
     if message.prefill is not None:

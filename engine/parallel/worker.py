@@ -58,7 +58,8 @@ class Worker:
         if isinstance(message, Step):
             if self.lora_manager is not None:
                 self.lora_manager.wait_for_loads()
-            self.model(decode_step(message, self.device), self._kv_caches(message))
+            slot_ranks = None if self.lora_manager is None else self.lora_manager.slot_ranks
+            self.model(decode_step(message, self.device, slot_ranks), self._kv_caches(message))
         elif isinstance(message, ComputeLogits):
             hidden = torch.empty(message.num_rows, self.model.config.hidden_size, device=self.device,
                                  dtype=self.spec.dtype)

@@ -50,6 +50,17 @@ def test_the_child_process_writes_the_row_the_engine_thread_would(engine, loras)
     assert pool[0].isnan().all()
 
 
+def test_a_childs_read_answers_with_the_rows_rank(engine, loras):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    pool = torch.zeros((3, layout.numel)).share_memory_()
+    reader = ProcessReader(pool, layout, engine.model_info, allow_pickle=False)
+    try:
+        ranks = [reader.submit(lora.lora_path, row).result(timeout=60) for row, lora in enumerate(loras)]
+    finally:
+        reader.close()
+    assert ranks == [8, 4, 16]
+
+
 def test_several_children_fill_their_rows_in_the_pools_dtype(engine, loras):
     layout = SlotLayout(engine.model.lora_layers(), 16)
     pool = torch.full((4, layout.numel), float("nan"), dtype=torch.bfloat16).share_memory_()
@@ -266,3 +277,14 @@ def test_auto_reads_on_threads_when_shared_memory_has_no_room(engine, monkeypatc
 def test_bad_adapter_reader_settings_are_refused(overrides, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**overrides)
+
+
+@pytest.mark.parametrize("reader", ["threads", "process"])
+def test_each_slot_carries_the_rank_of_the_adapter_loaded_into_it(tiny_llama, loras, reader):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              adapter_reader=reader)
+    manager = llm.engine.lora_manager
+    assert manager.slot_ranks.tolist() == [0, 0]
+    for lora, rank in zip(loras, [8, 4, 16]):
+        llm.generate([PROMPTS[0]], PARAMS, lora_request=lora, use_tqdm=False)
+        assert manager.slot_ranks[manager.slot_owner.index(lora.lora_int_id)].item() == rank

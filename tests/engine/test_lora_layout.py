@@ -81,3 +81,15 @@ def test_the_slot_row_is_the_whole_adapter(engine, bound):
     layout, _, _ = bound
     shapes = engine.model_info.module_shapes.values()
     assert layout.numel == sum(MAX_RANK * (out_features + in_features) for out_features, in_features in shapes)
+
+
+def test_write_returns_the_rows_rank_past_which_every_projection_is_zero(engine, bound, attention_r4, all_r8):
+    layout, slots, _ = bound
+    assert layout.write(load_adapter(attention_r4, engine.model_info), slots[0]) == 4
+    assert layout.write(load_adapter(all_r8, engine.model_info), slots[1]) == 8
+
+
+def test_a_rank_pattern_rows_rank_is_its_largest_module_rank(engine, bound, tmp_path, tiny_llama):
+    layout, slots, _ = bound
+    path = make_peft_adapter(tiny_llama, tmp_path / "a", r=2, rank_pattern={"o_proj": 6}, seed=23)
+    assert layout.write(load_adapter(path, engine.model_info), slots[2]) == 6
