@@ -36,6 +36,9 @@ def main() -> None:
     parser.add_argument("--adapters", type=int, nargs="+", default=[64],
                         help="distinct adapters the rows of the lora case are spread over (0..64; 0: every row on the base "
                              "model, in the LoRA engine), one run each")
+    parser.add_argument("--adapter-rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument("--max-lora-rank", type=int, default=16,
+                        help="the engine's slot rank: adapters of a lower rank sit in slots padded up to it")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="full_decode_only builds the engines faster; decode steps replay the same graphs")
     parser.add_argument("--profile", action="store_true",
@@ -48,9 +51,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(Path(args.work), args.shape)
-    paths = make_adapters(Path(args.work) / f"adapters-{args.shape}", model_dir, args.shape, 64, 16)
+    rank_suffix = "" if args.adapter_rank == 16 else f"-r{args.adapter_rank}"
+    paths = make_adapters(Path(args.work) / f"adapters-{args.shape}{rank_suffix}", model_dir, args.shape, 64, 16,
+                          rank=args.adapter_rank)
     bandwidth = measure_bandwidth("cuda")
-    results: dict = {"bandwidth_tbs": bandwidth / 1e12, "decode_tiles": lora_tuning.decode_tiles(), "rows": []}
+    results: dict = {"bandwidth_tbs": bandwidth / 1e12, "decode_tiles": lora_tuning.decode_tiles(),
+                     "adapter_rank": args.adapter_rank, "max_lora_rank": args.max_lora_rank, "rows": []}
 
     def measure(label: str, engine, loras_for) -> None:
         for batch in args.batches:
@@ -62,7 +68,8 @@ def main() -> None:
             profile_to = args.out / f"profile_{label.replace(' ', '_')}_b{batch}.txt" if args.profile else None
             row = decode_step_profile(engine, batch, args.prompt_len, loras, vocab, profile_to)
             distinct = len({lora.lora_int_id for lora in loras if lora is not None})
-            row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth)
+            row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth,
+                                             rank=args.adapter_rank)
             row["over_floor"] = row["step_wall_ms"] / row["floor_ms"]
             row["case"] = label
             results["rows"].append(row)
@@ -79,7 +86,8 @@ def main() -> None:
         del engine
         release_gpu_memory()
     if "lora" in args.cases:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
+                              max_cpu_loras=64)
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         for request in requests:
             engine.lora_manager.add(request)
