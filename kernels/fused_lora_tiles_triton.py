@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, slot_stacks
+from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, rank_columns, slot_stacks
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
@@ -101,9 +101,9 @@ def _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, tile,
                ROWS: tl.constexpr):
     """Part `part` (ROWS rows) of tile `tile`: the tile's start in `token_order`, the part's first row and its end (at
     the tile's length; none past `first` for an unused tile or the end of a short one), the tile's slot and the
-    slot's rank (at most R: B's columns past it are padding, not read)."""
+    columns of its B to read (`rank_columns`: past them is padding, not read)."""
     slot = tl.load(tile_slot_ptr + tile)
-    rank = tl.minimum(tl.load(tile_rank_ptr + tile), R)
+    rank = rank_columns(tl.load(tile_rank_ptr + tile), R)
     start = tl.load(tile_start_ptr + tile)
     first = part * ROWS
     end = tl.minimum(tl.load(tile_len_ptr + tile), first + ROWS)

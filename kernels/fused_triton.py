@@ -24,7 +24,7 @@ from kernels import fused_lora_tiles_triton as tiles
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import delta_rows, slot_stacks
+from kernels.lora_triton import delta_rows, rank_columns, slot_stacks
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -127,7 +127,7 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: no kernel of the step writes it
     wait_for_predecessor(USE_PDL)
     adapter = tl.load(adapters_ptr + row)
-    rank = tl.minimum(tl.load(ranks_ptr + row), R)
+    rank = rank_columns(tl.load(ranks_ptr + row), R)
     b_ptr = b_ptr + adapter.to(tl.int64) * stride_bs
     h_row = h_ptr + row * stride_ht
     if ONE_PASS:
@@ -220,7 +220,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
     wait_for_predecessor(USE_PDL)
     if HAS_LORA:
         adapter = tl.load(adapters_ptr + row)
-        rank = tl.minimum(tl.load(ranks_ptr + row), R)
+        rank = rank_columns(tl.load(ranks_ptr + row), R)
         b_gate_ptr = b_gate_ptr + adapter.to(tl.int64) * stride_bs_gate
         b_up_ptr = b_up_ptr + adapter.to(tl.int64) * stride_bs_up
         h_row = h_ptr + row * stride_ht
@@ -297,7 +297,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
     cos = tl.load(cos_ptr + pos * stride_table + dims, mask=in_half, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_table + dims, mask=in_half, other=0.0)
     adapter = tl.load(adapters_ptr + token)
-    rank = tl.minimum(tl.load(ranks_ptr + token), R)
+    rank = rank_columns(tl.load(ranks_ptr + token), R)
     h_row = h_ptr + token * stride_ht
     q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
     kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)

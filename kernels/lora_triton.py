@@ -7,9 +7,9 @@ Two paths per op, picked by batch size (`lora_tuning.choose_path`):
 Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
 on shapes only and every launch reads its indices from device tensors, so the calls can be
 captured in a CUDA graph. h is float32; accumulation is float32.
-Slots are padded to the stacks' rank R: a program reads its slot's A rows and B columns below the slot's own rank
-only (`LoRAMetadata.token_rank`, `tile_rank`, at most R), loaded beside the slot, so the padding costs no memory
-traffic; the shrink leaves h zero past the rank.
+Slots are padded to the stacks' rank R: a program reads its slot's A rows below the slot's own rank only
+(`LoRAMetadata.token_rank`, `tile_rank`, loaded beside the slot), and its B columns (and h's) up to that rank rounded
+up to whole vectors (`rank_columns`), so the padding costs no memory traffic; the shrink leaves h zero past the rank.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from kernels.pdl_triton import INTERPRETED, pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
+# B's and h's rank columns are read in runs of this many (16 bytes of bf16): `rank_columns`
+RANK_VECTOR = tl.constexpr(8)
 # h's slices are this many token rows apart at least, rounded up: its slice stride (an argument of every kernel
 # reading h) is then divisible by 16 whatever a step's token count, and Triton, which specializes on that,
 # compiles one variant, not a second one mid-run at the first step of another size.
@@ -175,9 +177,20 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB
 
 
 @triton.jit
+def rank_columns(rank, R):
+    """The rank columns of a slot's B (and of h) a kernel reads: the slot's rank rounded up to RANK_VECTOR, at most R.
+
+    A load mask at the rank itself, a loaded value of no known divisibility, would make Triton split each row's
+    load into single elements (the BGMV expand compiled for sm_90: 32 2-byte loads a thread where 6 16-byte ones
+    did); rounded up, the mask holds over whole vectors. The columns between the rank and there are zero padding
+    (`engine.lora_layout`) in the 32-byte sectors the rank's last columns occupy anyway: no extra memory traffic."""
+    return tl.minimum((rank + RANK_VECTOR - 1) // RANK_VECTOR * RANK_VECTOR, R)
+
+
+@triton.jit
 def delta_rows(b_ptr, rows, mask, h_row, R, rank, BLOCK_R: tl.constexpr):
-    """float32 h_row . B[rows]^T for one slot's B (rows of R values, the first `rank` of each its adapter's, the rest
-    zero padding that is not read): the per-token expand's sum, which the fused ops also add as they read a
+    """float32 h_row . B[rows]^T for one slot's B (rows of R values), read in its first `rank` columns
+    (`rank_columns`; the rest is padding): the per-token expand's sum, which the fused ops also add as they read a
     projection's output (`fused_triton`)."""
     acc = tl.zeros(rows.shape, dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
@@ -193,8 +206,8 @@ def delta_rows(b_ptr, rows, mask, h_row, R, rank, BLOCK_R: tl.constexpr):
 @triton.jit
 def b_block(b_ptr, cols, n_mask, r0, R, rank, BLOCK_R: tl.constexpr):
     """One rank block of one slot's B (rows of R values) transposed: B[cols, r0 : r0 + BLOCK_R]^T,
-    [BLOCK_R, len(cols)], zero past the slot's `rank` (its padding, not read); loaded apart from h so a program
-    can keep it for several row tiles."""
+    [BLOCK_R, len(cols)], zero past its first `rank` columns (`rank_columns`; padding, not read); loaded apart from
+    h so a program can keep it for several row tiles."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     return tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=(offs_r < rank)[:, None] & n_mask[None, :],
                    other=0.0)
@@ -202,8 +215,8 @@ def b_block(b_ptr, cols, n_mask, r0, R, rank, BLOCK_R: tl.constexpr):
 
 @triton.jit
 def plus_h_times_b(acc, h_rows, m_mask, bv, r0, rank, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + h[rows, r0 : r0 + BLOCK_R] @ bv (`b_block`), h read below the slot's `rank` only (zero past it); h is
-    float32, rounded to B's dtype, as peft's lora_B receives lora_A's output."""
+    """acc + h[rows, r0 : r0 + BLOCK_R] @ bv (`b_block`), h read in its first `rank` columns (`rank_columns`; zero
+    past the slot's rank); h is float32, rounded to B's dtype, as peft's lora_B receives lora_A's output."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
     return _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
@@ -213,8 +226,8 @@ def plus_h_times_b(acc, h_rows, m_mask, bv, r0, rank, BLOCK_R: tl.constexpr, DOT
 def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, rank, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                DOT_F32: tl.constexpr):
     """float32 [BLOCK_M, len(cols)] h[rows] @ B[cols]^T for a tile of one slot's tokens: `h_rows` points at the
-    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values, read below the slot's `rank` only) is read once
-    for the whole tile. The segment expand's sum, which the fused ops' tiled variants also add as they read a
+    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values, read in its first `rank` columns, `rank_columns`)
+    is read once for the whole tile. The segment expand's sum, which the fused ops' tiled variants also add as they read a
     projection's output (`fused_lora_tiles_triton`)."""
     acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
@@ -233,7 +246,7 @@ def _expand_bgmv_kernel(
     j = tl.program_id(1)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
-    rank = tl.minimum(tl.load(ranks_ptr + tok), R)
+    rank = rank_columns(tl.load(ranks_ptr + tok), R)
     if slot < 0:
         return
     sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, slot)
@@ -258,7 +271,7 @@ def _expand_sgmv_kernel(
     j = tl.program_id(1)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(tile_slot_ptr + tile)
-    rank = tl.minimum(tl.load(tile_rank_ptr + tile), R)
+    rank = rank_columns(tl.load(tile_rank_ptr + tile), R)
     if slot < 0:
         return
     start = tl.load(tile_start_ptr + tile)

@@ -101,6 +101,16 @@ def fill_past_ranks_(stack: torch.Tensor, slot_ranks: Sequence[int], dim: int, v
     return stack
 
 
+def b_columns_read(slot_ranks: Sequence[int], max_rank: int) -> list[int]:
+    """The rank columns of each slot's B (and h) the kernels read: its rank rounded up to whole vectors
+    (`lora_triton.rank_columns`), at most the max rank. Past them B's padding is never read; up to them it is zero,
+    as the engine lays slots out."""
+    from kernels.lora_triton import RANK_VECTOR
+
+    vector = int(RANK_VECTOR)
+    return [min(-(-rank // vector) * vector, max_rank) for rank in slot_ranks]
+
+
 def ranked_metadata(slots: Sequence[int], slot_ranks: Sequence[int] | None, device: str = "cpu", *,
                     block_m: int | None = None) -> LoRAMetadata:
     """The metadata of `slots` with each slot's rank (None: no ranks given, every slot read in full)."""
@@ -113,13 +123,14 @@ def ranked_deltas(slots: Sequence[int], widths: Sequence[int], max_rank: int, sl
                   dtype: torch.dtype, seed: int, device: str = "cpu", *,
                   block_m: int | None = None) -> tuple[LoRADelta, LoRADelta]:
     """An `exact_delta` over slots of `slot_ranks` padded to `max_rank` (h zero past each token's rank, as the shrink
-    leaves it), twice: B's padding NaN and the slots' ranks in the metadata (a kernel that reads the padding spreads
-    NaN), and B's padding zero with no ranks given (every column read)."""
+    leaves it), twice: B's padding NaN past the columns the kernels read (`b_columns_read`) and the slots' ranks in the
+    metadata (a kernel that reads there spreads NaN), and B's padding zero with no ranks given (every column read)."""
     delta = exact_delta(slots, widths, max_rank, dtype, seed, device, block_m=block_m)
     for t, slot in enumerate(slots):
         delta.h[:, t, slot_ranks[slot] if slot >= 0 else 0:] = 0.0
     zero = tuple(fill_past_ranks_(b, slot_ranks, 2, 0.0) for b in delta.b_slices)
-    poisoned = tuple(fill_past_ranks_(b.clone(), slot_ranks, 2, float("nan")) for b in zero)
+    read = b_columns_read(slot_ranks, max_rank)
+    poisoned = tuple(fill_past_ranks_(b.clone(), read, 2, float("nan")) for b in zero)
     return (LoRADelta(delta.h, poisoned, ranked_metadata(slots, slot_ranks, device, block_m=block_m)),
             LoRADelta(delta.h, zero, ranked_metadata(slots, None, device, block_m=block_m)))
 

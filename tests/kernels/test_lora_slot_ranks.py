@@ -1,11 +1,12 @@
-"""Slots padded to the max rank: given the slots' ranks, every Triton LoRA kernel reads a slot's A rows and B columns
-below its adapter's rank only.
+"""Slots padded to the max rank: given the slots' ranks, every Triton LoRA kernel reads a slot's A rows below its
+adapter's rank only, and its B columns up to that rank rounded up to whole 16-byte vectors (`b_columns_read`).
 
-The padding past each slot's rank holds NaN, which any read would spread; the results must equal those of the zero
-padding: the float64 products for the shrink and the expand, and for the fused ops' folds the same kernel reading
-zero padding in full (no ranks given), to the bit (`same_op`). One batch mixes slots of ranks 16, 5, 8, 1 and 11
-(max rank 16), or 20, 5, 13, 1 and 17 (max rank 20, not a power of two), with base-model rows; small rank blocks
-make some blocks lie partly, some wholly, in a slot's padding.
+Past those the padding holds NaN, which any read would spread (B's few columns between the rank and the vector's end
+are zero, as the engine writes them); the results must equal those of the zero padding: the float64 products for the
+shrink and the expand, and for the fused ops' folds the same kernel reading zero padding in full (no ranks given), to
+the bit (`same_op`). One batch mixes slots of ranks 16, 5, 8, 1 and 11 (max rank 16), or 20, 5, 13, 1 and 17 (max
+rank 20, not a power of two), with base-model rows; small rank blocks make some blocks lie partly, some wholly, in a
+slot's padding.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from tests.kernels.lora_cases import (
     RotaryCase,
+    b_columns_read,
     expand_reference,
     fill_past_ranks_,
     random_weights,
@@ -72,10 +74,11 @@ def _a_slices(max_rank: int, slot_ranks) -> tuple[list[torch.Tensor], list[torch
 
 
 def _b_slices(max_rank: int, slot_ranks) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """B stacks of WIDTHS, (zero-padded, NaN-padded) past each slot's rank."""
+    """B stacks of WIDTHS, zero-padded past each slot's rank, and the same NaN past the columns the kernels read."""
     zero = [fill_past_ranks_(b, slot_ranks, 2, 0.0) for b in random_weights([(w, max_rank) for w in WIDTHS],
                                                                             torch.float32, DEVICE)]
-    return zero, [fill_past_ranks_(b.clone(), slot_ranks, 2, NAN) for b in zero]
+    read = b_columns_read(slot_ranks, max_rank)
+    return zero, [fill_past_ranks_(b.clone(), read, 2, NAN) for b in zero]
 
 
 def _h(max_rank: int, slot_ranks) -> torch.Tensor:
