@@ -14,9 +14,12 @@ per launch shape (`LoRAOpConfig`: columns or heads per step, rank block, warps);
 (the segment path, where the expand is SGMV) the tiled variants (`fused_lora_tiles_triton`) at 8
 and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step or heads per program,
 rank block, warps, rows per program, `mtile` for the whole tile). The kernel's default is marked `*`. The check is the
-relative difference from expand-then-op (zero up to summation order).
+relative difference from expand-then-op (zero up to summation order). `--slot-rank N` puts the adapters in slots
+of max rank N, zero-padded, and gives the kernels the slots' ranks (they skip the padding); `--ignore-slot-ranks`
+gives none (they read it, as before slot ranks).
 
     python benchmarks/fused_ops.py [--tokens 64 128 8192] [--lora-only] [--ops silu_and_mul ...] [--out DIR]
+    python benchmarks/fused_ops.py --lora-only --rank 16 --slot-rank 64 [--ignore-slot-ranks]
     python benchmarks/fused_ops.py --smoke     # tiny shapes; on a CPU under the Triton interpreter
 """
 from __future__ import annotations
@@ -140,9 +143,12 @@ class Inputs:
     slots: torch.Tensor
     num_blocks: int
     rank: int = RANK
+    slot_rank: int | None = None  # the slots' allocated rank (None: the adapters' own)
+    ranks_given: bool = False  # whether the slots' ranks go to the metadata
 
     @classmethod
-    def random(cls, shapes: Shapes, tokens: int, device: torch.device, rank: int = RANK) -> Inputs:
+    def random(cls, shapes: Shapes, tokens: int, device: torch.device, rank: int = RANK, slot_rank: int | None = None,
+               ranks_given: bool = False) -> Inputs:
         s = shapes
         gen = torch.Generator(device=device).manual_seed(tokens)
         x = torch.randn(tokens, s.hidden, device=device, dtype=DTYPE, generator=gen)
@@ -156,7 +162,7 @@ class Inputs:
         num_blocks = tokens // BLOCK_SIZE + 2
         slots = torch.randperm(num_blocks * BLOCK_SIZE, device=device, generator=gen)[:tokens]
         return cls(s, tokens, x, residual, weight, gate_up, qkv, emb.cos().to(device), emb.sin().to(device),
-                   positions, slots, num_blocks, rank)
+                   positions, slots, num_blocks, rank, slot_rank, ranks_given)
 
     @property
     def qkv_widths(self) -> list[int]:
@@ -174,14 +180,21 @@ class Inputs:
                                  dtype=DTYPE) for _ in range(2))
 
     def lora(self, widths: list[int], seed: int, adapters: int = ADAPTERS) -> LoRADelta:
-        """Every token on a random one of `adapters` adapters of rank `self.rank`, h as the shrink leaves it."""
+        """Every token on a random one of `adapters` adapters of rank `self.rank`, h as the shrink leaves it, in slots
+        of rank `self.slot_rank` (h and B zero past the adapters' rank)."""
         device = self.x.device
         gen = torch.Generator(device=device).manual_seed(seed)
         slots = torch.randint(0, adapters, (self.tokens,), device=device, generator=gen, dtype=torch.int32)
-        h = torch.randn(len(widths), self.tokens, self.rank, device=device, generator=gen)
-        b_slices = tuple(torch.randn(adapters, w, self.rank, device=device, generator=gen).div(self.rank).to(DTYPE)
-                         for w in widths)
-        return LoRADelta(h, b_slices, prepare_lora_metadata(slots, adapters))
+        width = self.slot_rank or self.rank
+        h = torch.zeros(len(widths), self.tokens, width, device=device)
+        h[..., :self.rank] = torch.randn(len(widths), self.tokens, self.rank, device=device, generator=gen)
+        b_slices = []
+        for w in widths:
+            b = torch.zeros(adapters, w, width, device=device, dtype=DTYPE)
+            b[..., :self.rank] = torch.randn(adapters, w, self.rank, device=device, generator=gen).div(self.rank)
+            b_slices.append(b)
+        ranks = torch.full((adapters,), self.rank, dtype=torch.int32, device=device) if self.ranks_given else None
+        return LoRADelta(h, tuple(b_slices), prepare_lora_metadata(slots, adapters, slot_ranks=ranks))
 
 
 def _cases(inp: Inputs) -> dict[str, Case]:
@@ -333,8 +346,18 @@ def main() -> None:
                         help=f"only these ops' rows, of {OPS}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes; runs on a CPU (Triton interpreter)")
     parser.add_argument("--rank", type=int, default=RANK, help="the adapters' rank (default %(default)s)")
+    parser.add_argument("--slot-rank", type=int, metavar="N",
+                        help="slots of max rank N, the adapters zero-padded to it, the slots' ranks given to the "
+                             "kernels")
+    parser.add_argument("--ignore-slot-ranks", action="store_true",
+                        help="with --slot-rank: give the kernels no slot ranks, so they read the padding too")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.ignore_slot_ranks and args.slot_rank is None:
+        parser.error("--ignore-slot-ranks needs --slot-rank")
+    if args.slot_rank is not None and args.slot_rank < args.rank:
+        parser.error(f"--slot-rank {args.slot_rank} cannot hold adapters of rank {args.rank}")
+    ranks_given = args.slot_rank is not None and not args.ignore_slot_ranks
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     shapes = SMOKE if args.smoke else LLAMA3_8B
     if args.smoke:
@@ -342,7 +365,7 @@ def main() -> None:
     rows = []
     print(f"{'op':<52}{'tokens':>7}{'baseline us':>13}{'triton us':>11}{'speedup':>9}{'rel err':>10}  baseline")
     for tokens in args.tokens:
-        inp = Inputs.random(shapes, tokens, device, args.rank)
+        inp = Inputs.random(shapes, tokens, device, args.rank, args.slot_rank, ranks_given)
         cases = {} if args.lora_only else _cases(inp)
         cases.update(_lora_cases(inp))
         cases = {name: case for name, case in cases.items() if name.split("+")[0] in args.ops}
@@ -354,7 +377,8 @@ def main() -> None:
             before = baseline_us[case.run_baseline]
             triton_us = graph_time_us(case.run_triton, device, rep_ms=50, cpu_calls=2)
             rows.append(dict(op=name, tokens=tokens, baseline=case.baseline, baseline_us=before, triton_us=triton_us,
-                             rel_err=err))
+                             rel_err=err, rank=args.rank, slot_rank=args.slot_rank or args.rank,
+                             ranks_given=ranks_given))
             print(f"{name:<52}{tokens:>7}{before:>13.1f}{triton_us:>11.1f}{before / triton_us:>8.2f}x"
                   f"{err:>10.1e}  {case.baseline}", flush=True)
     if args.out:

@@ -9,12 +9,19 @@ The floor is the bytes that must move (x once, each distinct adapter's A and B o
 y read and written once) over the HBM bandwidth measured here with a large copy.
 
     python benchmarks/lora_kernels.py --out DIR [--sweep [CLASS ...]] [--budget-s S]
+    python benchmarks/lora_kernels.py --out DIR --ranks 16 --slot-rank 64 [--ignore-slot-ranks]
 
 `--sweep` first times candidate launch configs per shape class and uses the winners (it
 prints them as the table for `kernels/lora_tuning.py`); `--sweep bgmv` sweeps only the classes
 named (bgmv, sgmv_small, sgmv) and keeps the committed configs of the others. Results go to
 DIR/lora_kernels.json and DIR/lora_kernels.md as they come; a short per-layer table is printed last. Without CUDA
 (`TRITON_INTERPRET=1`, `--smoke`) it runs tiny shapes to check the script itself.
+
+`--slot-rank N` allocates the slots at max rank N, as a server started with `--max-lora-rank N` does: each
+scenario's adapters keep their rank, zero-padded to N, and the slots' ranks go to `prepare_lora_metadata`, so the
+kernels skip the padding; with `--ignore-slot-ranks` they are not given and the kernels read the padding too (as
+before slot ranks). The floor stays that of the adapters' own rank. Each result row records its slot rank and
+whether the ranks were given.
 """
 
 from __future__ import annotations
@@ -132,12 +139,26 @@ class Timer:
 
 
 class Weights:
-    """A and B stacks for NUM_SLOTS adapter slots at one rank, plus the base W of each group."""
+    """A and B stacks for NUM_SLOTS adapter slots of adapters at one rank, allocated at `slot_rank` (at least the
+    rank): A's rows and B's columns past the rank are zero padding."""
 
-    def __init__(self, groups: tuple[Group, ...], rank: int) -> None:
+    def __init__(self, groups: tuple[Group, ...], rank: int, slot_rank: int) -> None:
         self.rank = rank
-        self.a = {g.name: [rand(NUM_SLOTS, rank, g.k, scale=g.k ** -0.5) for _ in g.widths] for g in groups}
-        self.b = {g.name: [rand(NUM_SLOTS, w, rank, scale=rank ** -0.5) for w in g.widths] for g in groups}
+        self.a = {g.name: [padded(rand(NUM_SLOTS, rank, g.k, scale=g.k ** -0.5), slot_rank, dim=1)
+                           for _ in g.widths] for g in groups}
+        self.b = {g.name: [padded(rand(NUM_SLOTS, w, rank, scale=rank ** -0.5), slot_rank, dim=2)
+                           for w in g.widths] for g in groups}
+
+
+def padded(stack: torch.Tensor, size: int, dim: int) -> torch.Tensor:
+    """`stack` zero-padded along `dim` to `size`."""
+    if stack.shape[dim] == size:
+        return stack
+    shape = list(stack.shape)
+    shape[dim] = size
+    out = torch.zeros(shape, dtype=stack.dtype, device=stack.device)
+    out.narrow(dim, 0, stack.shape[dim]).copy_(stack)
+    return out
 
 
 def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -195,6 +216,8 @@ class Result:
     tokens: int
     adapters: int
     path: str
+    slot_rank: int = 0  # the slots' allocated (max) rank
+    ranks_given: bool = False  # whether the slots' ranks went to the metadata (the kernels skip the padding)
     rel_err: float = math.nan
     layer_us: float = math.nan
     floor_us: float = math.nan
@@ -213,19 +236,34 @@ class Result:
 
 
 class Bench:
-    def __init__(self, groups: tuple[Group, ...], timer: Timer, bandwidth: float, in_slot_order: bool = False) -> None:
+    def __init__(self, groups: tuple[Group, ...], timer: Timer, bandwidth: float, in_slot_order: bool = False,
+                 slot_rank: int | None = None, ranks_given: bool = False) -> None:
+        """slot_rank: the slots' allocated rank (None: each scenario's own); ranks_given: the slots' ranks go to
+        the metadata."""
         self.groups = groups
         self.in_slot_order = in_slot_order
+        self.slot_rank = slot_rank
+        self.ranks_given = ranks_given
         self.timer = timer
         self.bandwidth = bandwidth
         self.weights: dict[int, Weights] = {}
         self.base_w = {g.name: rand(sum(g.widths), g.k, scale=g.k ** -0.5) for g in groups}
         self.base_cache: dict[int, float] = {}
 
+    def slot_rank_for(self, rank: int) -> int:
+        return self.slot_rank or rank
+
+    def label(self, sc: Scenario) -> str:
+        """The scenario's label, with the slots' rank and `read-all` (ranks not given) where they are padded."""
+        slot_rank = self.slot_rank_for(sc.rank)
+        if slot_rank == sc.rank:
+            return sc.label
+        return f"{sc.label} s{slot_rank}{'' if self.ranks_given else ' read-all'}"
+
     def weights_for(self, rank: int) -> Weights:
         if rank not in self.weights:
             self.weights.clear()
-            self.weights[rank] = Weights(self.groups, rank)
+            self.weights[rank] = Weights(self.groups, rank, self.slot_rank_for(rank))
         return self.weights[rank]
 
     def floor_us(self, g: Group, sc: Scenario, op: str) -> float:
@@ -234,13 +272,15 @@ class Bench:
         return nbytes / self.bandwidth * 1e6
 
     def buffers(self, sc: Scenario, block_m: int | None = None):
+        slot_ranks = torch.full((NUM_SLOTS,), sc.rank, dtype=torch.int32, device=DEVICE) if self.ranks_given else None
         meta = prepare_lora_metadata(
-            assign_slots(sc.tokens, sc.adapters, self.in_slot_order), NUM_SLOTS,
+            assign_slots(sc.tokens, sc.adapters, self.in_slot_order), NUM_SLOTS, slot_ranks=slot_ranks,
             out=LoRAMetadata.empty(sc.tokens, NUM_SLOTS, DEVICE, block_m=block_m),
         )
         xs = {g.name: rand(sc.tokens, g.k) for g in self.groups}
         ys = {g.name: rand(sc.tokens, sum(g.widths)) for g in self.groups}
-        hs = {g.name: torch.empty(len(g.widths), sc.tokens, sc.rank, device=DEVICE) for g in self.groups}
+        width = self.slot_rank_for(sc.rank)
+        hs = {g.name: torch.empty(len(g.widths), sc.tokens, width, device=DEVICE) for g in self.groups}
         return meta, xs, ys, hs
 
     def check(self, sc: Scenario, path: str) -> float:
@@ -301,7 +341,8 @@ class Bench:
 
     def scenario(self, sc: Scenario) -> Result:
         path = lora_tuning.choose_path(sc.tokens)
-        res = Result(sc.label, sc.kind, sc.rank, sc.tokens, sc.adapters, path)
+        res = Result(self.label(sc), sc.kind, sc.rank, sc.tokens, sc.adapters, path, self.slot_rank_for(sc.rank),
+                     self.ranks_given)
         try:
             res.rel_err = self.check(sc, path)
             buffers = self.buffers(sc)
@@ -412,7 +453,10 @@ def fmt(v: float, digits: int = 1) -> str:
 def markdown(results: list[Result], meta: dict) -> str:
     out = [
         f"Device: {meta['device']}; measured HBM copy bandwidth {meta['bandwidth_tbs']:.2f} TB/s; "
-        f"torch {meta['torch']}, triton {meta['triton']}; bf16; per decoder layer = q/k/v + o + gate/up + down.",
+        f"torch {meta['torch']}, triton {meta['triton']}; bf16; per decoder layer = q/k/v + o + gate/up + down."
+        + (f" Slots at rank {meta['slot_rank']}, adapters zero-padded to it; the slots' ranks "
+           f"{'given (the padding is skipped)' if meta['ranks_given'] else 'not given (the padding is read)'}; "
+           "the floor is the adapters' own rank's." if meta.get("slot_rank") else ""),
         "",
         "| scenario | path | rel err | LoRA layer µs | floor µs | % floor | base linears µs | LoRA/base | other path µs |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -477,7 +521,19 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script without a GPU")
     parser.add_argument("--in-slot-order", action="store_true",
                         help="tokens sorted by adapter slot instead of shuffled")
+    parser.add_argument("--slot-rank", type=int, metavar="N",
+                        help="slots allocated at max rank N, each scenario's adapters zero-padded to it, the slots' "
+                             "ranks given to the kernels (which skip the padding)")
+    parser.add_argument("--ignore-slot-ranks", action="store_true",
+                        help="with --slot-rank: give the kernels no slot ranks, so they read the padding too")
     args = parser.parse_args()
+    if args.ignore_slot_ranks and args.slot_rank is None:
+        parser.error("--ignore-slot-ranks needs --slot-rank")
+    if args.slot_rank is not None:
+        if args.sweep is not None:
+            parser.error("--slot-rank times the committed launch configs; sweep without it")
+        if max(args.ranks) > args.slot_rank:
+            parser.error(f"every rank of --ranks must fit the slots' rank {args.slot_rank}, got {args.ranks}")
     began = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
@@ -487,11 +543,13 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if CUDA else "cpu (interpreter)",
         "torch": torch.__version__, "triton": triton.__version__,
         "command": " ".join(sys.argv),
+        "slot_rank": args.slot_rank, "ranks_given": args.slot_rank is not None and not args.ignore_slot_ranks,
     }
     bandwidth = measure_bandwidth(DEVICE)
     meta["bandwidth_tbs"] = bandwidth / 1e12
     print(f"{meta['device']}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth, args.in_slot_order)
+    bench = Bench(SMOKE if args.smoke else LLAMA3_8B, Timer(args.iters), bandwidth, args.in_slot_order,
+                  args.slot_rank, meta["ranks_given"])
     sweep_log: list = []
     if args.sweep is not None:
         try:

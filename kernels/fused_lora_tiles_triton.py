@@ -3,11 +3,11 @@
 The per-token variants in `fused_triton` read B[slot] once per token: at 8192 tokens that is gigabytes of
 B traffic. Here a program takes one tile of the step's `LoRAMetadata` (up to `block_m` tokens of one slot,
 gathered through `token_order`) and a chunk of columns: it reads its tile's h rows and the slot's B chunk
-once, forms the delta with a tensor-core dot (`lora_triton.delta_tile`, the segment expand's own sum), adds
-it to the loaded rows rounded once to their dtype, as the expand followed by the op would, then does the
-op's math. Tiles of slot -1 (base tokens) run the plain op, so every token row is written exactly once.
-Grids follow the shapes alone (`meta.num_tiles`; unused tiles have no rows), so the launches can be
-captured in a CUDA graph.
+(below the slot's rank, `meta.tile_rank`, not its padding) once, forms the delta with a tensor-core dot
+(`lora_triton.delta_tile`, the segment expand's own sum), adds it to the loaded rows rounded once to their
+dtype, as the expand followed by the op would, then does the op's math. Tiles of slot -1 (base tokens) run the
+plain op, so every token row is written exactly once. Grids follow the shapes alone (`meta.num_tiles`; unused
+tiles have no rows), so the launches can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, slot_stacks
+from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, rank_columns, slot_stacks
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
@@ -71,11 +71,11 @@ LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
 
 
 def _tile_args(lora: LoRADelta) -> tuple:
-    """(h, B_0 .. B_{n-1}, token order, tile slot, start and length, B slot strides .., h strides)."""
+    """(h, B_0 .. B_{n-1}, token order, tile slot, its rank, start and length, B slot strides .., h strides)."""
     b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
     meta = lora.meta
-    return (h, *b_slices, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len,
+    return (h, *b_slices, meta.token_order, meta.tile_slot, meta.tile_rank, meta.tile_start, meta.tile_len,
             *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
 
 
@@ -97,13 +97,17 @@ def _row_blocks(lora: LoRADelta, config: LoRATileConfig) -> int:
 
 
 @triton.jit
-def _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
+def _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, tile, part, R: tl.constexpr,
+               ROWS: tl.constexpr):
     """Part `part` (ROWS rows) of tile `tile`: the tile's start in `token_order`, the part's first row and its end (at
-    the tile's length; none past `first` for an unused tile or the end of a short one), and the tile's slot."""
+    the tile's length; none past `first` for an unused tile or the end of a short one), the tile's slot and the
+    columns of its B to read (`rank_columns`: past them is padding, not read)."""
+    slot = tl.load(tile_slot_ptr + tile)
+    rank = rank_columns(tl.load(tile_rank_ptr + tile), R)
     start = tl.load(tile_start_ptr + tile)
     first = part * ROWS
     end = tl.minimum(tl.load(tile_len_ptr + tile), first + ROWS)
-    return start, first, end, tl.load(tile_slot_ptr + tile)
+    return start, first, end, slot, rank
 
 
 @triton.jit
@@ -115,44 +119,47 @@ def _step_rows(order_ptr, start, row0, end, STEP: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS: tl.constexpr):
-    """Part `part` (ROWS rows) of tile `tile` taken at once: its token indices, which are in use, the tile's slot,
-    and whether the part has any rows."""
-    start, first, end, slot = _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tile, part, ROWS)
+def _tile_rows(order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, tile, part, R: tl.constexpr,
+               ROWS: tl.constexpr):
+    """Part `part` (ROWS rows) of tile `tile` taken at once: its token indices, which are in use, the tile's slot and
+    its rank, and whether the part has any rows."""
+    start, first, end, slot, rank = _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, tile, part,
+                                               R, ROWS)
     rows, in_use = _step_rows(order_ptr, start, first, end, ROWS)
-    return rows, in_use, slot, first < end
+    return rows, in_use, slot, rank, first < end
 
 
 @triton.jit
-def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, ROWS: tl.constexpr,
+def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, rank, ROWS: tl.constexpr,
                      BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """y [ROWS, cols] + h[rows] @ B[cols]^T, rounded once to y's dtype."""
-    delta = delta_tile(h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+    """y [ROWS, cols] + h[rows] @ B[cols]^T (B read below the slot's `rank`), rounded once to y's dtype."""
+    delta = delta_tile(h_rows, in_use, b_ptr, cols, col_mask, R, rank, ROWS, BLOCK_R, DOT_F32)
     return (y.to(tl.float32) + delta).to(y.dtype)
 
 
 @triton.jit
-def _plus_delta_block(y, h_rows, in_use, bv, R: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+def _plus_delta_block(y, h_rows, in_use, bv, rank, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """y + h[rows] @ B^T for a rank of at most BLOCK_R, B^T's block already loaded (`b_block`): `_plus_delta_tile`'s
     sum."""
-    delta = plus_h_times_b(tl.zeros(y.shape, dtype=tl.float32), h_rows, in_use, bv, 0, R, BLOCK_R, DOT_F32)
+    delta = plus_h_times_b(tl.zeros(y.shape, dtype=tl.float32), h_rows, in_use, bv, 0, rank, BLOCK_R, DOT_F32)
     return (y.to(tl.float32) + delta).to(y.dtype)
 
 
 @triton.jit
-def _plus_delta(y, h_rows, in_use, bv, b_ptr, cols, col_mask, R: tl.constexpr, STEP: tl.constexpr,
+def _plus_delta(y, h_rows, in_use, bv, b_ptr, cols, col_mask, R: tl.constexpr, rank, STEP: tl.constexpr,
                 BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """y [STEP, cols] + h[rows] @ B[cols]^T in a program's walk over its rows: on B^T's block `bv`, loaded once for
-    the walk (`b_block`), when the rank fits one rank block; otherwise reading B at `b_ptr`."""
+    """y [STEP, cols] + h[rows] @ B[cols]^T in a program's walk over its rows, B read below the slot's `rank`: on B^T's
+    block `bv`, loaded once for the walk (`b_block`), when the max rank R fits one rank block; otherwise reading B at
+    `b_ptr`."""
     if R <= BLOCK_R:
-        return _plus_delta_block(y, h_rows, in_use, bv, R, BLOCK_R, DOT_F32)
+        return _plus_delta_block(y, h_rows, in_use, bv, rank, BLOCK_R, DOT_F32)
     else:
-        return _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R, STEP, BLOCK_R, DOT_F32)
+        return _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
 
 
 @triton.jit
 def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b1_ptr, b2_ptr, cols1, cols2, col_mask,
-                       R: tl.constexpr, STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+                       R: tl.constexpr, rank, STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
                        HAS_DELTA: tl.constexpr):
     """A step's two halves, at `x_rows` and `x_rows + offset` ([STEP, cols]), each plus (HAS_DELTA) its h rows
     times its B chunk (`_plus_delta`: B^T's block `b1` / `b2`, or read at `b1_ptr` / `b2_ptr`, columns `cols1` /
@@ -160,14 +167,14 @@ def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b
     x1 = tl.load(x_rows, mask=mask, other=0.0)
     x2 = tl.load(x_rows + offset, mask=mask, other=0.0)
     if HAS_DELTA:
-        x1 = _plus_delta(x1, h1_rows, in_use, b1, b1_ptr, cols1, col_mask, R, STEP, BLOCK_R, DOT_F32)
-        x2 = _plus_delta(x2, h2_rows, in_use, b2, b2_ptr, cols2, col_mask, R, STEP, BLOCK_R, DOT_F32)
+        x1 = _plus_delta(x1, h1_rows, in_use, b1, b1_ptr, cols1, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
+        x2 = _plus_delta(x2, h2_rows, in_use, b2, b2_ptr, cols2, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
     return x1, x2
 
 
 @triton.jit
 def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start, row0, end,
-                    cols, col_mask, bg, bu, b_gate, b_up, R: tl.constexpr, STEP: tl.constexpr,
+                    cols, col_mask, bg, bu, b_gate, b_up, R: tl.constexpr, rank, STEP: tl.constexpr,
                     BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile: gate and up plus their deltas, the product stored. B^T's
     chunks `bg` and `bu` come loaded when the rank fits one rank block; otherwise each step reads B."""
@@ -175,20 +182,21 @@ def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, s
     mask = in_use[:, None] & col_mask[None, :]
     h_rows = h_ptr + rows[:, None] * stride_ht
     gate, up = _halves_plus_delta(x_ptr + rows[:, None] * stride_x + cols[None, :], n, mask, h_rows,
-                                  h_rows + stride_hn, in_use, bg, bu, b_gate, b_up, cols, cols, col_mask, R, STEP,
-                                  BLOCK_R, DOT_F32, HAS_DELTA)
+                                  h_rows + stride_hn, in_use, bg, bu, b_gate, b_up, cols, cols, col_mask, R, rank,
+                                  STEP, BLOCK_R, DOT_F32, HAS_DELTA)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
 
 
 @triton.jit
 def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
-                               tile_slot_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up, stride_hn,
+                               tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up,
+                               stride_hn,
                                stride_ht, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                                STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, chunk, part) walks its part's ROWS rows STEP at a time (`_silu_rows_step`), the slot's B chunks
     loaded once for all steps: B's reads from L2 shrink by ROWS / STEP (H200, 8192 tokens: 337 -> 221 us)."""
-    start, first, end, slot = _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
-                                         tl.program_id(2), ROWS)
+    start, first, end, slot, rank = _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr,
+                                               tl.program_id(0), tl.program_id(2), R, ROWS)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < n
     step_args = (x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start)
@@ -197,14 +205,14 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
         b_up = b_up_ptr + slot.to(tl.int64) * stride_bs_up
         bg, bu = None, None
         if R <= BLOCK_R:
-            bg = b_block(b_gate, cols, col_mask, 0, R, BLOCK_R)
-            bu = b_block(b_up, cols, col_mask, 0, R, BLOCK_R)
+            bg = b_block(b_gate, cols, col_mask, 0, R, rank, BLOCK_R)
+            bu = b_block(b_up, cols, col_mask, 0, R, rank, BLOCK_R)
         for row0 in range(first, end, STEP):
-            _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, R, STEP, BLOCK_R, DOT_F32,
-                            HAS_DELTA=True)
+            _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, R, rank, STEP, BLOCK_R,
+                            DOT_F32, HAS_DELTA=True)
     else:
         for row0 in range(first, end, STEP):
-            _silu_rows_step(*step_args, row0, end, cols, col_mask, None, None, None, None, R, STEP, BLOCK_R,
+            _silu_rows_step(*step_args, row0, end, cols, col_mask, None, None, None, None, R, rank, STEP, BLOCK_R,
                             DOT_F32, HAS_DELTA=False)
 
 
@@ -228,14 +236,14 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
 
 @triton.jit
 def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                               stride_res_out, n, eps, h_ptr, b_ptr, order_ptr, tile_slot_ptr, tile_start_ptr,
-                               tile_len_ptr, stride_bs, stride_hn, stride_ht, HAS_RESIDUAL: tl.constexpr,
-                               R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
+                               stride_res_out, n, eps, h_ptr, b_ptr, order_ptr, tile_slot_ptr, tile_rank_ptr,
+                               tile_start_ptr, tile_len_ptr, stride_bs, stride_hn, stride_ht,
+                               HAS_RESIDUAL: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                                BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Two walks over the rows' columns: x + delta (+ residual), each rounded, stored as the residual out while
     the squares add up; then the stored rows reloaded and normalized."""
-    rows, in_use, slot, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr,
-                                              tl.program_id(0), tl.program_id(1), ROWS)
+    rows, in_use, slot, rank, has_rows = _tile_rows(order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr,
+                                                    tile_len_ptr, tl.program_id(0), tl.program_id(1), R, ROWS)
     if not has_rows:
         return
     h_rows = h_ptr + rows[:, None] * stride_ht
@@ -247,7 +255,7 @@ def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
         mask = in_use[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         if slot >= 0:
-            x = _plus_delta_tile(x, h_rows, in_use, b_ptr, cols, col_mask, R, ROWS, BLOCK_R, DOT_F32)
+            x = _plus_delta_tile(x, h_rows, in_use, b_ptr, cols, col_mask, R, rank, ROWS, BLOCK_R, DOT_F32)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -287,7 +295,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 @triton.jit
 def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, cache_cols, cos_ptr, sin_ptr, pos_ptr,
                       slots_ptr, stride_table, dims, in_half, order_ptr, start, row0, end, h_ptr, stride_ht, col_mask,
-                      b1, b2, b_ptr, cols, R: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
+                      b1, b2, b_ptr, cols, R: tl.constexpr, rank, STEP: tl.constexpr, HALF: tl.constexpr,
                       BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr, ROTATE: tl.constexpr,
                       CACHE: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile, for a program's heads of q, k or v ([STEP, heads x half],
@@ -299,7 +307,7 @@ def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, ca
     base = x_ptr + rows[:, None] * stride_xt + x_cols[None, :]
     h_rows = h_ptr + rows[:, None] * stride_ht
     x1, x2 = _halves_plus_delta(base, HALF, mask, h_rows, h_rows, in_use, b1, b2, b_ptr, b_ptr, cols, cols + HALF,
-                                col_mask, R, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
+                                col_mask, R, rank, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
     if ROTATE:
         pos = tl.load(pos_ptr + rows, mask=in_use, other=0).to(tl.int64)
         table = pos[:, None] * stride_table + dims[None, :]
@@ -316,7 +324,7 @@ def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, ca
 @triton.jit
 def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr, b_ptr, stride_bs, cos_ptr, sin_ptr,
                  pos_ptr, slots_ptr, stride_table, stride_cache_slot, stride_cache_head, dims, in_half, order_ptr,
-                 start, first, end, slot, stride_ht, R: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
+                 start, first, end, slot, rank, stride_ht, R: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr):
     """A program's heads `head` of q, k or v (h's slice at `h_ptr`, B's stack at `b_ptr`) over its part's rows first ..
     end, STEP at a time (`_rotary_rows_step`), the slot's B rows for its heads loaded once for all steps."""
@@ -329,15 +337,15 @@ def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr,
         b_ptr = b_ptr + slot.to(tl.int64) * stride_bs
         b1, b2 = None, None
         if R <= BLOCK_R:
-            b1 = b_block(b_ptr, cols, col_mask, 0, R, BLOCK_R)
-            b2 = b_block(b_ptr, cols + HALF, col_mask, 0, R, BLOCK_R)
+            b1 = b_block(b_ptr, cols, col_mask, 0, R, rank, BLOCK_R)
+            b2 = b_block(b_ptr, cols + HALF, col_mask, 0, R, rank, BLOCK_R)
         for row0 in range(first, end, STEP):
-            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, b1, b2, b_ptr, cols, R, STEP, HALF,
-                              BLOCK_R, DOT_F32, HAS_DELTA=True, ROTATE=ROTATE, CACHE=CACHE)
+            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, b1, b2, b_ptr, cols, R, rank, STEP,
+                              HALF, BLOCK_R, DOT_F32, HAS_DELTA=True, ROTATE=ROTATE, CACHE=CACHE)
     else:
         for row0 in range(first, end, STEP):
-            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, None, None, None, cols, R, STEP, HALF,
-                              BLOCK_R, DOT_F32, HAS_DELTA=False, ROTATE=ROTATE, CACHE=CACHE)
+            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, None, None, None, cols, R, rank,
+                              STEP, HALF, BLOCK_R, DOT_F32, HAS_DELTA=False, ROTATE=ROTATE, CACHE=CACHE)
 
 
 # positions and KV slots: not specialized on alignment (see `fused_triton._rotary_and_write_kv_kernel`)
@@ -345,21 +353,21 @@ def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr,
 def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                          stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
-                         order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, sbq, sbk, sbv, stride_hn, stride_ht,
-                         R: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr,
-                         DOT_F32: tl.constexpr):
+                         order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, sbq, sbk, sbv,
+                         stride_hn, stride_ht, R: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
+                         HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                         BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, j, part): a chunk of q heads, of k heads (and cache rows) or of v heads (and theirs), laid out
     flat as (head, dim in half) per row, for its part's ROWS rows walked STEP at a time (`_rotary_walk`): the slot's B
     rows loaded once for all steps, so B's reads from L2 shrink by ROWS / STEP."""
-    start, first, end, slot = _tile_part(tile_slot_ptr, tile_start_ptr, tile_len_ptr, tl.program_id(0),
-                                         tl.program_id(2), ROWS)
+    start, first, end, slot, rank = _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr,
+                                               tl.program_id(0), tl.program_id(2), R, ROWS)
     j = tl.program_id(1)
     e = tl.arange(0, HEADS_PER_PROGRAM * HALF_PAD)
     dims = e % HALF_PAD
     local_head = e // HALF_PAD
     walk_args = (cos_ptr, sin_ptr, pos_ptr, slots_ptr, stride_table, stride_cache_slot, stride_cache_head, dims,
-                 dims < HALF, order_ptr, start, first, end, slot, stride_ht)
+                 dims < HALF, order_ptr, start, first, end, slot, rank, stride_ht)
     q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
     kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
     if j < q_programs:

@@ -4,11 +4,11 @@ Rounding follows the torch reference step by step (float32 math, rounded to the 
 torch rounds), so the two agree to the last bit in float32 and within one rounding in bf16.
 
 With a `LoRADelta` each op also applies the LoRA expand of the projection it consumes: a token's
-program reads the h row and the B[slot] rows of the columns it produces and adds the delta, rounded
-once, before the op's own math (tokens of slot -1 read no B). The B tiles are [columns, rank block],
-so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a delta (`HAS_LORA`
-false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps the LoRA
-kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
+program reads the h row and the B[slot] rows of the columns it produces (below the slot's rank, not its
+padding) and adds the delta, rounded once, before the op's own math (tokens of slot -1 read no B). The B
+tiles are [columns, rank block], so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a
+delta (`HAS_LORA` false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps
+the LoRA kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
 `fused_lora_tiles_triton`, which read B once per tile of same-slot tokens, and so does a delta the step marked
 `tiled` (per-token steps whose rows share few adapters, `lora_tuning.tiled_decode_ops`).
 """
@@ -24,7 +24,7 @@ from kernels import fused_lora_tiles_triton as tiles
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import delta_rows, slot_stacks
+from kernels.lora_triton import delta_rows, rank_columns, slot_stacks
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -58,13 +58,15 @@ LORA_CONFIGS: dict[str, LoRAOpConfig] = {
 
 
 def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tensor) -> tuple:
-    """(h, B_0 .. B_{n-1}, adapter slots, rank, B slot strides .., h strides) as the kernels take them;
-    placeholders that no kernel reads without a delta. The rank is a constexpr: one compile per rank."""
+    """(h, B_0 .. B_{n-1}, adapter slots, their ranks, max rank, B slot strides .., h strides) as the kernels take
+    them; placeholders that no kernel reads without a delta. The max rank (the slots' padded rank) is a constexpr:
+    one compile per max rank; each token's slot rank is read on the device."""
     if lora is None:
-        return (placeholder,) * (num_slices + 2) + (0,) * (num_slices + 3)
+        return (placeholder,) * (num_slices + 3) + (0,) * (num_slices + 3)
     b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
-    return (h, *b_slices, lora.meta.slots, lora.rank, *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
+    return (h, *b_slices, lora.meta.slots, lora.meta.token_rank, lora.rank, *(b.stride(0) for b in b_slices),
+            h.stride(0), h.stride(1))
 
 
 def _tiled(lora: LoRADelta) -> bool:
@@ -79,9 +81,10 @@ def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
 
 
 @triton.jit
-def _plus_delta(y, b_ptr, cols, mask, h_row, R: tl.constexpr, BLOCK_R: tl.constexpr):
-    """y + h_row . B[cols]^T, rounded once to y's dtype: B (one slot, rows of R values) at rows `cols`."""
-    return (y.to(tl.float32) + delta_rows(b_ptr, cols, mask, h_row, R, BLOCK_R)).to(y.dtype)
+def _plus_delta(y, b_ptr, cols, mask, h_row, R: tl.constexpr, rank, BLOCK_R: tl.constexpr):
+    """y + h_row . B[cols]^T, rounded once to y's dtype: B (one slot, rows of R values, read below the slot's `rank`)
+    at rows `cols`."""
+    return (y.to(tl.float32) + delta_rows(b_ptr, cols, mask, h_row, R, rank, BLOCK_R)).to(y.dtype)
 
 
 @triton.jit
@@ -92,7 +95,7 @@ def _row_chunk(ptr, row, stride, cols, mask):
 
 @triton.jit
 def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R: tl.constexpr,
-                 HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr):
+                 rank, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr):
     """x + delta, rounded, (+ residual, rounded) at `cols` of a row. The residual is loaded before the delta's sum,
     with B, not after it. (Loaded ahead of the branch, it made Triton sum the row's squares in another layout,
     so in another order, than before.)"""
@@ -100,7 +103,7 @@ def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter,
     if adapter >= 0:
         if HAS_RESIDUAL:
             r = _row_chunk(res_ptr, row, stride_res, cols, mask)
-        x = _plus_delta(x, b_ptr, cols, mask, h_row, R, BLOCK_R)
+        x = _plus_delta(x, b_ptr, cols, mask, h_row, R, rank, BLOCK_R)
     else:
         if HAS_RESIDUAL:
             r = _row_chunk(res_ptr, row, stride_res, cols, mask)
@@ -111,7 +114,8 @@ def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter,
 
 @triton.jit
 def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                           stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_ht,
+                           stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bs,
+                           stride_ht,
                            HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
                            ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
     """x + delta (+ residual) stored as the residual out, then normalized. A row of one chunk (ONE_PASS) is read
@@ -123,10 +127,11 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)  # a weight: no kernel of the step writes it
     wait_for_predecessor(USE_PDL)
     adapter = tl.load(adapters_ptr + row)
+    rank = rank_columns(tl.load(ranks_ptr + row), R)
     b_ptr = b_ptr + adapter.to(tl.int64) * stride_bs
     h_row = h_ptr + row * stride_ht
     if ONE_PASS:
-        x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R,
+        x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R, rank,
                          HAS_RESIDUAL, BLOCK_R)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         h = x.to(tl.float32)
@@ -138,7 +143,7 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
             cols = c0 + tl.arange(0, CHUNK)
             mask = cols < n
             x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R,
-                             HAS_RESIDUAL, BLOCK_R)
+                             rank, HAS_RESIDUAL, BLOCK_R)
             tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
             h = x.to(tl.float32)
             squares += h * h
@@ -154,14 +159,14 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                         stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R: tl.constexpr, stride_bs, stride_hn,
-                         stride_ht,
+                         stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bs,
+                         stride_hn, stride_ht,
                          HAS_RESIDUAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if HAS_LORA:
         _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                               stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, R, stride_bs, stride_ht,
+                               stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R, stride_bs, stride_ht,
                                HAS_RESIDUAL, BLOCK, BLOCK_R, ONE_PASS, USE_PDL)
     else:
         cols = tl.arange(0, BLOCK)
@@ -208,12 +213,14 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, adapters_ptr,
-                         R: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn, stride_ht, HAS_LORA: tl.constexpr,
-                         BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+                         ranks_ptr, R: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn, stride_ht,
+                         HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
+                         USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     wait_for_predecessor(USE_PDL)
     if HAS_LORA:
         adapter = tl.load(adapters_ptr + row)
+        rank = rank_columns(tl.load(ranks_ptr + row), R)
         b_gate_ptr = b_gate_ptr + adapter.to(tl.int64) * stride_bs_gate
         b_up_ptr = b_up_ptr + adapter.to(tl.int64) * stride_bs_up
         h_row = h_ptr + row * stride_ht
@@ -224,8 +231,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
         up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
         if HAS_LORA:  # noqa: SIM102 - `adapter` exists only in the HAS_LORA variant
             if adapter >= 0:
-                gate = _plus_delta(gate, b_gate_ptr, cols, mask, h_row, R, BLOCK_R)
-                up = _plus_delta(up, b_up_ptr, cols, mask, h_row + stride_hn, R, BLOCK_R)
+                gate = _plus_delta(gate, b_gate_ptr, cols, mask, h_row, R, rank, BLOCK_R)
+                up = _plus_delta(up, b_up_ptr, cols, mask, h_row + stride_hn, R, rank, BLOCK_R)
         tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up), mask=mask)
 
 
@@ -263,14 +270,14 @@ def _rotate(base, cos, sin, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.constexpr, HALF: tl.constexpr,
+def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.constexpr, rank, HALF: tl.constexpr,
                             BLOCK_R: tl.constexpr):
     """The halves at `base` and `base + HALF` with the LoRA delta of B rows `cols` and `cols + HALF` added."""
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     if adapter >= 0:
-        x1 = _plus_delta(x1, b_ptr, cols, mask, h_row, R, BLOCK_R)
-        x2 = _plus_delta(x2, b_ptr, cols + HALF, mask, h_row, R, BLOCK_R)
+        x1 = _plus_delta(x1, b_ptr, cols, mask, h_row, R, rank, BLOCK_R)
+        x2 = _plus_delta(x2, b_ptr, cols + HALF, mask, h_row, R, rank, BLOCK_R)
     return x1, x2
 
 
@@ -278,8 +285,9 @@ def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.const
 def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                          stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
-                         adapters_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht, HALF: tl.constexpr,
-                         HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr):
+                         adapters_ptr, ranks_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht,
+                         HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                         BLOCK_R: tl.constexpr):
     """Program j of a token: a chunk of its q heads, of its k heads (and their cache rows) or of its v heads
     (and theirs), laid out flat as (head, dim in half)."""
     e = tl.arange(0, HEADS_PER_PROGRAM * HALF_PAD)
@@ -289,6 +297,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
     cos = tl.load(cos_ptr + pos * stride_table + dims, mask=in_half, other=0.0)
     sin = tl.load(sin_ptr + pos * stride_table + dims, mask=in_half, other=0.0)
     adapter = tl.load(adapters_ptr + token)
+    rank = rank_columns(tl.load(ranks_ptr + token), R)
     h_row = h_ptr + token * stride_ht
     q_programs = tl.cdiv(heads, HEADS_PER_PROGRAM)
     kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
@@ -297,7 +306,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         mask = (head < heads) & in_half
         base = q_ptr + token * stride_qt + head * stride_qh + dims
         x1, x2 = _load_halves_plus_delta(base, mask, bq_ptr + adapter.to(tl.int64) * sbq, head * (2 * HALF) + dims,
-                                         h_row, adapter, R, HALF, BLOCK_R)
+                                         h_row, adapter, R, rank, HALF, BLOCK_R)
         y1, y2 = rotated(x1, x2, cos, sin)
         store_halves(base, y1, y2, mask, HALF)
     elif j < q_programs + kv_programs:
@@ -305,7 +314,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         mask = (head < kv_heads) & in_half
         base = k_ptr + token * stride_kt + head * stride_kh + dims
         x1, x2 = _load_halves_plus_delta(base, mask, bk_ptr + adapter.to(tl.int64) * sbk, head * (2 * HALF) + dims,
-                                         h_row + stride_hn, adapter, R, HALF, BLOCK_R)
+                                         h_row + stride_hn, adapter, R, rank, HALF, BLOCK_R)
         y1, y2 = rotated(x1, x2, cos, sin)
         store_halves(base, y1, y2, mask, HALF)
         store_halves(k_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, y1, y2, mask, HALF)
@@ -314,7 +323,7 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         mask = (head < kv_heads) & in_half
         base = v_ptr + token * stride_vt + head * stride_vh + dims
         x1, x2 = _load_halves_plus_delta(base, mask, bv_ptr + adapter.to(tl.int64) * sbv, head * (2 * HALF) + dims,
-                                         h_row + 2 * stride_hn, adapter, R, HALF, BLOCK_R)
+                                         h_row + 2 * stride_hn, adapter, R, rank, HALF, BLOCK_R)
         if adapter >= 0:
             store_halves(base, x1, x2, mask, HALF)
         store_halves(v_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, x1, x2, mask, HALF)
@@ -326,10 +335,10 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
 def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                                 stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
-                                adapters_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht, HALF: tl.constexpr,
-                                HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr,
-                                HAS_LORA: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr,
-                                USE_PDL: tl.constexpr):
+                                adapters_ptr, ranks_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht,
+                                HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
+                                KV_HEADS_PAD: tl.constexpr, HAS_LORA: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                                BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     wait_for_predecessor(USE_PDL)  # positions and cache slots may be written on the device
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -338,8 +347,8 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
         _rotary_lora_program(token, tl.program_id(1), q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, slot, k_cache_ptr,
                              v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_table, stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr,
-                             bk_ptr, bv_ptr, adapters_ptr, R, sbq, sbk, sbv, stride_hn, stride_ht, HALF, HALF_PAD,
-                             HEADS_PER_PROGRAM, BLOCK_R)
+                             bk_ptr, bv_ptr, adapters_ptr, ranks_ptr, R, sbq, sbk, sbv, stride_hn, stride_ht, HALF,
+                             HALF_PAD, HEADS_PER_PROGRAM, BLOCK_R)
     else:
         dims = tl.arange(0, HALF_PAD)
         in_half = dims < HALF

@@ -7,6 +7,9 @@ Two paths per op, picked by batch size (`lora_tuning.choose_path`):
 Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
 on shapes only and every launch reads its indices from device tensors, so the calls can be
 captured in a CUDA graph. h is float32; accumulation is float32.
+Slots are padded to the stacks' rank R: a program reads its slot's A rows below the slot's own rank only
+(`LoRAMetadata.token_rank`, `tile_rank`, loaded beside the slot), and its B columns (and h's) up to that rank rounded
+up to whole vectors (`rank_columns`), so the padding costs no memory traffic; the shrink leaves h zero past the rank.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from kernels.pdl_triton import INTERPRETED, pdl_launch, wait_for_predecessor
 
 MAX_SLICES = 3
+# B's and h's rank columns are read in runs of this many (16 bytes of bf16): `rank_columns`
+RANK_VECTOR = tl.constexpr(8)
 # h's slices are this many token rows apart at least, rounded up: its slice stride (an argument of every kernel
 # reading h) is then divisible by 16 whatever a step's token count, and Triton, which specializes on that,
 # compiles one variant, not a second one mid-run at the first step of another size.
@@ -31,7 +36,7 @@ H_ROWS_ALIGN = 16
 
 @triton.jit
 def _shrink_bgmv_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, h_ptr,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, ranks_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -43,10 +48,11 @@ def _shrink_bgmv_kernel(
     ks = pid_s % SPLIT_K
     wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
+    rank = tl.minimum(tl.load(ranks_ptr + tok), R)
     offs_r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     r_mask = offs_r < R
     h_ptrs = h_ptr + sl * stride_hn + tok.to(tl.int64) * stride_ht + offs_r
-    if slot < 0:
+    if (slot < 0) | (pid_r * BLOCK_R >= rank):  # a base token, or a rank block wholly in the slot's padding
         if SPLIT_K == 1:
             tl.store(h_ptrs, tl.zeros([BLOCK_R], dtype=tl.float32), mask=r_mask)
         return
@@ -57,6 +63,7 @@ def _shrink_bgmv_kernel(
     else:
         a_ptr = a2_ptr
     a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
+    a_mask = offs_r < rank  # A's rows past the slot's rank are padding, not read: h is zero there
     x_row = x_ptr + tok.to(tl.int64) * stride_xt
     k_lo = ks * k_per_split
     hv = tl.zeros([BLOCK_R], dtype=tl.float32)
@@ -64,11 +71,11 @@ def _shrink_bgmv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             xv = tl.load(x_row + offs_k)
-            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None], other=0.0)
+            av = tl.load(a_rows + offs_k[None, :], mask=a_mask[:, None], other=0.0)
         else:
             k_mask = offs_k < K
             xv = tl.load(x_row + offs_k, mask=k_mask, other=0.0)
-            av = tl.load(a_rows + offs_k[None, :], mask=r_mask[:, None] & k_mask[None, :], other=0.0)
+            av = tl.load(a_rows + offs_k[None, :], mask=a_mask[:, None] & k_mask[None, :], other=0.0)
         hv += tl.sum(av.to(tl.float32) * xv.to(tl.float32)[None, :], axis=1)
     if SPLIT_K == 1:
         tl.store(h_ptrs, hv, mask=r_mask)
@@ -87,7 +94,7 @@ def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _shrink_sgmv_kernel(
-    x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
+    x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
     K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
@@ -97,6 +104,7 @@ def _shrink_sgmv_kernel(
     ks = tl.program_id(2)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(tile_slot_ptr + tile)
+    rank = tl.minimum(tl.load(tile_rank_ptr + tile), R)
     start = tl.load(tile_start_ptr + tile)
     length = tl.load(tile_len_ptr + tile)
     offs_m = tl.arange(0, BLOCK_M)
@@ -106,12 +114,13 @@ def _shrink_sgmv_kernel(
     r_mask = offs_r < R
     h_ptrs = h_ptr + rows[:, None] * stride_ht + offs_r[None, :]
     h_mask = m_mask[:, None] & r_mask[None, :]
-    if slot < 0:
+    if (slot < 0) | (pid_r * BLOCK_R >= rank):  # base tokens, or a rank block wholly in the slot's padding
         if SPLIT_K == 1:
             for i in tl.static_range(NUM_SLICES):
                 tl.store(h_ptrs + i * stride_hn, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
         return
     a_offs = slot.to(tl.int64) * stride_as + offs_r[None, :] * K
+    a_in_rank = offs_r < rank  # A's rows past the slot's rank are padding, not read: h is zero there
     x_rows = x_ptr + rows[:, None] * stride_xt
     acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -121,11 +130,11 @@ def _shrink_sgmv_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             x_mask = m_mask[:, None]
-            a_mask = r_mask[None, :]
+            a_mask = a_in_rank[None, :]
         else:
             k_mask = offs_k < K
             x_mask = m_mask[:, None] & k_mask[None, :]
-            a_mask = r_mask[None, :] & k_mask[:, None]
+            a_mask = a_in_rank[None, :] & k_mask[:, None]
         xv = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
         a_ptrs = a_offs + offs_k[:, None]
         acc0 = _dot_acc(acc0, xv, tl.load(a0_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
@@ -168,13 +177,25 @@ def _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB
 
 
 @triton.jit
-def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
-    """float32 h_row . B[rows]^T for one slot's B (rows of R values): the per-token expand's sum, which the
-    fused ops also add as they read a projection's output (`fused_triton`)."""
+def rank_columns(rank, R):
+    """The rank columns of a slot's B (and of h) a kernel reads: the slot's rank rounded up to RANK_VECTOR, at most R.
+
+    A load mask at the rank itself, a loaded value of no known divisibility, would make Triton split each row's
+    load into single elements (the BGMV expand compiled for sm_90: 32 2-byte loads a thread where 6 16-byte ones
+    did); rounded up, the mask holds over whole vectors. The columns between the rank and there are zero padding
+    (`engine.lora_layout`) in the 32-byte sectors the rank's last columns occupy anyway: no extra memory traffic."""
+    return tl.minimum((rank + RANK_VECTOR - 1) // RANK_VECTOR * RANK_VECTOR, R)
+
+
+@triton.jit
+def delta_rows(b_ptr, rows, mask, h_row, R, rank, BLOCK_R: tl.constexpr):
+    """float32 h_row . B[rows]^T for one slot's B (rows of R values), read in its first `rank` columns
+    (`rank_columns`; the rest is padding): the per-token expand's sum, which the fused ops also add as they read a
+    projection's output (`fused_triton`)."""
     acc = tl.zeros(rows.shape, dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
-        r_mask = offs_r < R
+        r_mask = offs_r < rank
         hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
         bv = tl.load(b_ptr + rows[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
         # h rounded to B's dtype, as peft's lora_B receives lora_A's output (and as `delta_tile` does)
@@ -183,40 +204,41 @@ def delta_rows(b_ptr, rows, mask, h_row, R, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
-def b_block(b_ptr, cols, n_mask, r0, R, BLOCK_R: tl.constexpr):
+def b_block(b_ptr, cols, n_mask, r0, R, rank, BLOCK_R: tl.constexpr):
     """One rank block of one slot's B (rows of R values) transposed: B[cols, r0 : r0 + BLOCK_R]^T,
-    [BLOCK_R, len(cols)]; loaded apart from h so a program can keep it for several row tiles."""
+    [BLOCK_R, len(cols)], zero past its first `rank` columns (`rank_columns`; padding, not read); loaded apart from
+    h so a program can keep it for several row tiles."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    return tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=(offs_r < R)[:, None] & n_mask[None, :],
+    return tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=(offs_r < rank)[:, None] & n_mask[None, :],
                    other=0.0)
 
 
 @triton.jit
-def plus_h_times_b(acc, h_rows, m_mask, bv, r0, R, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """acc + h[rows, r0 : r0 + BLOCK_R] @ bv (`b_block`); h is float32, rounded to B's dtype, as peft's lora_B
-    receives lora_A's output."""
+def plus_h_times_b(acc, h_rows, m_mask, bv, r0, rank, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """acc + h[rows, r0 : r0 + BLOCK_R] @ bv (`b_block`), h read in its first `rank` columns (`rank_columns`; zero
+    past the slot's rank); h is float32, rounded to B's dtype, as peft's lora_B receives lora_A's output."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < R)[None, :], other=0.0)
+    hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
     return _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
 
 
 @triton.jit
-def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
+def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, rank, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
                DOT_F32: tl.constexpr):
     """float32 [BLOCK_M, len(cols)] h[rows] @ B[cols]^T for a tile of one slot's tokens: `h_rows` points at the
-    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values) is read once for the whole tile. The segment
-    expand's sum, which the fused ops' tiled variants also add as they read a projection's output
-    (`fused_lora_tiles_triton`)."""
+    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values, read in its first `rank` columns, `rank_columns`)
+    is read once for the whole tile. The segment expand's sum, which the fused ops' tiled variants also add as they
+    read a projection's output (`fused_lora_tiles_triton`)."""
     acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
-        acc = plus_h_times_b(acc, h_rows, m_mask, b_block(b_ptr, cols, n_mask, r0, R, BLOCK_R), r0, R, BLOCK_R,
-                             DOT_F32)
+        acc = plus_h_times_b(acc, h_rows, m_mask, b_block(b_ptr, cols, n_mask, r0, R, rank, BLOCK_R), r0, rank,
+                             BLOCK_R, DOT_F32)
     return acc
 
 
 @triton.jit
 def _expand_bgmv_kernel(
-    h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, y_ptr,
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, ranks_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -224,6 +246,7 @@ def _expand_bgmv_kernel(
     j = tl.program_id(1)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(slots_ptr + tok)
+    rank = rank_columns(tl.load(ranks_ptr + tok), R)
     if slot < 0:
         return
     sl, chunk, width, col, b_ptr = _expand_slice(j, b0_ptr, b1_ptr, b2_ptr, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, slot)
@@ -233,13 +256,13 @@ def _expand_bgmv_kernel(
         offs_n = (chunk * N_BLOCKS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < width
         yv = tl.load(y_row + offs_n, mask=n_mask, other=0.0)  # issued before the B loads it waits on
-        acc = delta_rows(b_ptr, offs_n, n_mask, h_row, R, BLOCK_R)
+        acc = delta_rows(b_ptr, offs_n, n_mask, h_row, R, rank, BLOCK_R)
         tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
 @triton.jit
 def _expand_sgmv_kernel(
-    h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
+    h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
     R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
@@ -248,6 +271,7 @@ def _expand_sgmv_kernel(
     j = tl.program_id(1)
     wait_for_predecessor(USE_PDL)
     slot = tl.load(tile_slot_ptr + tile)
+    rank = rank_columns(tl.load(tile_rank_ptr + tile), R)
     if slot < 0:
         return
     start = tl.load(tile_start_ptr + tile)
@@ -263,7 +287,7 @@ def _expand_sgmv_kernel(
         n_mask = offs_n < width
         y_mask = m_mask[:, None] & n_mask[None, :]
         yv = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
-        acc = delta_tile(h_rows, m_mask, b_ptr, offs_n, n_mask, R, BLOCK_M, BLOCK_R, DOT_F32)
+        acc = delta_tile(h_rows, m_mask, b_ptr, offs_n, n_mask, R, rank, BLOCK_M, BLOCK_R, DOT_F32)
         tl.store(y_rows + offs_n[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
 
 
@@ -340,13 +364,14 @@ def shrink_slices(
     if path == "bgmv":
         grid = (num_tokens, triton.cdiv(rank, block_r), n * cfg.split_k)
         _shrink_bgmv_kernel[grid](
-            x, a0, a1, a2, meta.slots, out, *common,
+            x, a0, a1, a2, meta.slots, meta.token_rank, out, *common,
             BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k, EVEN_K=even_k, **launch,
         )
     else:
         grid = (meta.num_tiles, triton.cdiv(rank, block_r), cfg.split_k)
         _shrink_sgmv_kernel[grid](
-            x, a0, a1, a2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, out, *common,
+            x, a0, a1, a2, meta.token_order, meta.tile_slot, meta.tile_rank, meta.tile_start, meta.tile_len, out,
+            *common,
             NUM_SLICES=n, BLOCK_M=meta.block_m, BLOCK_R=block_r, BLOCK_K=block_k, SPLIT_K=cfg.split_k,
             EVEN_K=even_k, DOT_F32=dot_f32(x.dtype), **launch,
         )
@@ -383,12 +408,12 @@ def expand_slices(
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_for(path, y.device))
     if path == "bgmv":
         _expand_bgmv_kernel[(num_tokens, sum(blocks))](
-            h, b0, b1, b2, meta.slots, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
-            **launch,
+            h, b0, b1, b2, meta.slots, meta.token_rank, y, *common, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
+            N_BLOCKS=cfg.n_blocks, **launch,
         )
     else:
         _expand_sgmv_kernel[(meta.num_tiles, sum(blocks))](
-            h, b0, b1, b2, meta.token_order, meta.tile_slot, meta.tile_start, meta.tile_len, y, *common,
-            BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
+            h, b0, b1, b2, meta.token_order, meta.tile_slot, meta.tile_rank, meta.tile_start, meta.tile_len, y,
+            *common, BLOCK_M=meta.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, N_BLOCKS=cfg.n_blocks,
             DOT_F32=dot_f32(y.dtype), **launch,
         )

@@ -93,6 +93,48 @@ def exact_delta(slots: Sequence[int], widths: Sequence[int], rank: int, dtype: t
     return LoRADelta(h, tuple(b_slices), prepare_lora_metadata(slot_tensor, NUM_SLOTS, out=meta))
 
 
+def fill_past_ranks_(stack: torch.Tensor, slot_ranks: Sequence[int], dim: int, value: float) -> torch.Tensor:
+    """Set each slot's entries past its rank along `dim` (A's rows: 1, B's columns: 2) to `value`, in place: the
+    padding of slots allocated at the stack's max rank."""
+    for slot, rank in enumerate(slot_ranks):
+        stack[slot].narrow(dim - 1, rank, stack.shape[dim] - rank).fill_(value)
+    return stack
+
+
+def b_columns_read(slot_ranks: Sequence[int], max_rank: int) -> list[int]:
+    """The rank columns of each slot's B (and h) the kernels read: its rank rounded up to whole vectors
+    (`lora_triton.rank_columns`), at most the max rank. Past them B's padding is never read; up to them it is zero,
+    as the engine lays slots out."""
+    from kernels.lora_triton import RANK_VECTOR
+
+    vector = int(RANK_VECTOR)
+    return [min(-(-rank // vector) * vector, max_rank) for rank in slot_ranks]
+
+
+def ranked_metadata(slots: Sequence[int], slot_ranks: Sequence[int] | None, device: str = "cpu", *,
+                    block_m: int | None = None) -> LoRAMetadata:
+    """The metadata of `slots` with each slot's rank (None: no ranks given, every slot read in full)."""
+    ranks = None if slot_ranks is None else torch.tensor(slot_ranks, dtype=torch.int32, device=device)
+    meta = None if block_m is None else LoRAMetadata.empty(len(slots), NUM_SLOTS, device, block_m=block_m)
+    return prepare_lora_metadata(slots_tensor(slots, device), NUM_SLOTS, slot_ranks=ranks, out=meta)
+
+
+def ranked_deltas(slots: Sequence[int], widths: Sequence[int], max_rank: int, slot_ranks: Sequence[int],
+                  dtype: torch.dtype, seed: int, device: str = "cpu", *,
+                  block_m: int | None = None) -> tuple[LoRADelta, LoRADelta]:
+    """An `exact_delta` over slots of `slot_ranks` padded to `max_rank` (h zero past each token's rank, as the shrink
+    leaves it), twice: B's padding NaN past the columns the kernels read (`b_columns_read`) and the slots' ranks in the
+    metadata (a kernel that reads there spreads NaN), and B's padding zero with no ranks given (every column read)."""
+    delta = exact_delta(slots, widths, max_rank, dtype, seed, device, block_m=block_m)
+    for t, slot in enumerate(slots):
+        delta.h[:, t, slot_ranks[slot] if slot >= 0 else 0:] = 0.0
+    zero = tuple(fill_past_ranks_(b, slot_ranks, 2, 0.0) for b in delta.b_slices)
+    read = b_columns_read(slot_ranks, max_rank)
+    poisoned = tuple(fill_past_ranks_(b.clone(), read, 2, float("nan")) for b in zero)
+    return (LoRADelta(delta.h, poisoned, ranked_metadata(slots, slot_ranks, device, block_m=block_m)),
+            LoRADelta(delta.h, zero, ranked_metadata(slots, None, device, block_m=block_m)))
+
+
 CACHE_BLOCK_SIZE = 4
 # (heads, kv_heads, head_dim): the tiny test models, and head counts and half widths that need padding
 HEAD_SHAPES = [pytest.param((4, 2, 16), id="tiny"), pytest.param((6, 3, 24), id="padded")]
