@@ -3,7 +3,9 @@
 A slot is one row of a [slots, numel] buffer holding every projection's A [max_rank, in] and
 B [out, max_rank] side by side. The device slots and the host copies share this layout, so loading
 an adapter into a slot is a single host-to-device copy, and a host copy is written once, by a reader
-thread or process, in the form the kernels read.
+thread or process, in the form the kernels read. The kernels read a slot's A rows up to its adapter's rank and
+its B columns up to that rank rounded up to whole vectors (`lora_triton.rank_columns`), so the zero padding
+`write` leaves past the rank is what they read there.
 """
 from __future__ import annotations
 
