@@ -439,8 +439,8 @@ def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[l
     """Workload (c) at each tensor-parallel size, on as many GPUs."""
     RESULTS["tensor_parallel"] = {}
     for size in args.tensor_parallel_sizes:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64,
-                              tensor_parallel_size=size, enforce_eager=args.enforce_eager)
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
+                              max_cpu_loras=64, tensor_parallel_size=size, enforce_eager=args.enforce_eager)
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         offline(engine, batch[:8], requests[:8], 4)
         result = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
@@ -502,6 +502,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--unique-adapters", type=int, default=16)
+    parser.add_argument("--max-lora-rank", type=int, default=16,
+                        help="the engines' slot rank; the adapters are rank 16, padded up to it in their slots")
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--online-rate", type=float, default=8.0)
     parser.add_argument("--online-requests", type=int, default=96)
@@ -575,7 +577,8 @@ def main() -> None:
 
     # (b), (c) and the sweep: one engine with 64 slots
     if WORKLOAD_ADAPTERS in args.workloads:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
+                              max_cpu_loras=64)
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         t = time.perf_counter()
         for r in requests:
@@ -618,7 +621,7 @@ def main() -> None:
 
     # (d) 1000 adapters, Zipf, 32 slots
     if WORKLOAD_ZIPF in args.workloads and not over_budget():
-        zipf_engine = dict(enable_lora=True, max_loras=32, max_lora_rank=16, max_cpu_loras=128)
+        zipf_engine = dict(enable_lora=True, max_loras=32, max_lora_rank=args.max_lora_rank, max_cpu_loras=128)
         engine = build_engine(model_dir, args, **zipf_engine)
         population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         picks = zipf_choice(len(batch), len(population))
@@ -656,7 +659,8 @@ def main() -> None:
         log(f"transformers+peft: {RESULTS['transformers_peft']}")
         save(out)
     if args.sweep and not over_budget():
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
+                              max_cpu_loras=64)
         requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
         RESULTS["sweep"] = {}
         for n in args.sweep:
