@@ -115,8 +115,7 @@ def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter,
 @triton.jit
 def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                            stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bs,
-                           stride_ht,
-                           HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
+                           stride_ht, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
                            ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
     """x + delta (+ residual) stored as the residual out, then normalized. A row of one chunk (ONE_PASS) is read
     once and normalized from registers, its weight read while the predecessor finishes. A wider row goes in two
