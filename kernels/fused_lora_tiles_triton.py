@@ -20,7 +20,7 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, rank_columns, slot_stacks
+from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, rank_columns, row_stride, slot_stacks
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
@@ -71,12 +71,13 @@ LORA_TILE_CONFIGS: dict[str, LoRATileConfig] = {
 
 
 def _tile_args(lora: LoRADelta) -> tuple:
-    """(h, B_0 .. B_{n-1}, token order, tile slot, its rank, start and length, B slot strides .., h strides)."""
+    """(h, B_0 .. B_{n-1}, token order, tile slot, its rank, start and length, B slot strides .., B row stride, h
+    strides). B's row stride is a constexpr, as the max rank is (`fused_triton._lora_args`)."""
     b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
     meta = lora.meta
     return (h, *b_slices, meta.token_order, meta.tile_slot, meta.tile_rank, meta.tile_start, meta.tile_len,
-            *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
+            *(b.stride(0) for b in b_slices), row_stride(b_slices), h.stride(0), h.stride(1))
 
 
 def _rows_per_program(lora: LoRADelta, config: LoRATileConfig) -> int:
@@ -130,10 +131,11 @@ def _tile_rows(order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len
 
 
 @triton.jit
-def _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R: tl.constexpr, rank, ROWS: tl.constexpr,
-                     BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
-    """y [ROWS, cols] + h[rows] @ B[cols]^T (B read below the slot's `rank`), rounded once to y's dtype."""
-    delta = delta_tile(h_rows, in_use, b_ptr, cols, col_mask, R, rank, ROWS, BLOCK_R, DOT_F32)
+def _plus_delta_tile(y, h_rows, in_use, b_ptr, stride_bn: tl.constexpr, cols, col_mask, R: tl.constexpr, rank,
+                     ROWS: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+    """y [ROWS, cols] + h[rows] @ B[cols]^T (B's rows `stride_bn` apart, read below the slot's `rank`), rounded once
+    to y's dtype."""
+    delta = delta_tile(h_rows, in_use, b_ptr, stride_bn, cols, col_mask, R, rank, ROWS, BLOCK_R, DOT_F32)
     return (y.to(tl.float32) + delta).to(y.dtype)
 
 
@@ -146,53 +148,52 @@ def _plus_delta_block(y, h_rows, in_use, bv, rank, BLOCK_R: tl.constexpr, DOT_F3
 
 
 @triton.jit
-def _plus_delta(y, h_rows, in_use, bv, b_ptr, cols, col_mask, R: tl.constexpr, rank, STEP: tl.constexpr,
-                BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+def _plus_delta(y, h_rows, in_use, bv, b_ptr, stride_bn: tl.constexpr, cols, col_mask, R: tl.constexpr, rank,
+                STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """y [STEP, cols] + h[rows] @ B[cols]^T in a program's walk over its rows, B read below the slot's `rank`: on B^T's
     block `bv`, loaded once for the walk (`b_block`), when the max rank R fits one rank block; otherwise reading B at
     `b_ptr`."""
     if R <= BLOCK_R:
         return _plus_delta_block(y, h_rows, in_use, bv, rank, BLOCK_R, DOT_F32)
     else:
-        return _plus_delta_tile(y, h_rows, in_use, b_ptr, cols, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
+        return _plus_delta_tile(y, h_rows, in_use, b_ptr, stride_bn, cols, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
 
 
 @triton.jit
-def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b1_ptr, b2_ptr, cols1, cols2, col_mask,
-                       R: tl.constexpr, rank, STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
-                       HAS_DELTA: tl.constexpr):
+def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b1_ptr, b2_ptr, stride_bn: tl.constexpr,
+                       cols1, cols2, col_mask, R: tl.constexpr, rank, STEP: tl.constexpr, BLOCK_R: tl.constexpr,
+                       DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr):
     """A step's two halves, at `x_rows` and `x_rows + offset` ([STEP, cols]), each plus (HAS_DELTA) its h rows
     times its B chunk (`_plus_delta`: B^T's block `b1` / `b2`, or read at `b1_ptr` / `b2_ptr`, columns `cols1` /
     `cols2`): gate and up of silu_and_mul, the rotary halves of q, k and v."""
     x1 = tl.load(x_rows, mask=mask, other=0.0)
     x2 = tl.load(x_rows + offset, mask=mask, other=0.0)
     if HAS_DELTA:
-        x1 = _plus_delta(x1, h1_rows, in_use, b1, b1_ptr, cols1, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
-        x2 = _plus_delta(x2, h2_rows, in_use, b2, b2_ptr, cols2, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
+        x1 = _plus_delta(x1, h1_rows, in_use, b1, b1_ptr, stride_bn, cols1, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
+        x2 = _plus_delta(x2, h2_rows, in_use, b2, b2_ptr, stride_bn, cols2, col_mask, R, rank, STEP, BLOCK_R, DOT_F32)
     return x1, x2
 
 
 @triton.jit
 def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start, row0, end,
-                    cols, col_mask, bg, bu, b_gate, b_up, R: tl.constexpr, rank, STEP: tl.constexpr,
-                    BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr):
+                    cols, col_mask, bg, bu, b_gate, b_up, stride_bn: tl.constexpr, R: tl.constexpr, rank,
+                    STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile: gate and up plus their deltas, the product stored. B^T's
     chunks `bg` and `bu` come loaded when the rank fits one rank block; otherwise each step reads B."""
     rows, in_use = _step_rows(order_ptr, start, row0, end, STEP)
     mask = in_use[:, None] & col_mask[None, :]
     h_rows = h_ptr + rows[:, None] * stride_ht
     gate, up = _halves_plus_delta(x_ptr + rows[:, None] * stride_x + cols[None, :], n, mask, h_rows,
-                                  h_rows + stride_hn, in_use, bg, bu, b_gate, b_up, cols, cols, col_mask, R, rank,
-                                  STEP, BLOCK_R, DOT_F32, HAS_DELTA)
+                                  h_rows + stride_hn, in_use, bg, bu, b_gate, b_up, stride_bn, cols, cols, col_mask, R,
+                                  rank, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
 
 
 @triton.jit
 def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
                                tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up,
-                               stride_hn,
-                               stride_ht, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                               STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+                               stride_bn: tl.constexpr, stride_hn, stride_ht, R: tl.constexpr, ROWS: tl.constexpr,
+                               CHUNK: tl.constexpr, STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, chunk, part) walks its part's ROWS rows STEP at a time (`_silu_rows_step`), the slot's B chunks
     loaded once for all steps: B's reads from L2 shrink by ROWS / STEP (H200, 8192 tokens: 337 -> 221 us)."""
     start, first, end, slot, rank = _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr,
@@ -205,15 +206,15 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
         b_up = b_up_ptr + slot.to(tl.int64) * stride_bs_up
         bg, bu = None, None
         if R <= BLOCK_R:
-            bg = b_block(b_gate, cols, col_mask, 0, R, rank, BLOCK_R)
-            bu = b_block(b_up, cols, col_mask, 0, R, rank, BLOCK_R)
+            bg = b_block(b_gate, stride_bn, cols, col_mask, 0, rank, BLOCK_R)
+            bu = b_block(b_up, stride_bn, cols, col_mask, 0, rank, BLOCK_R)
         for row0 in range(first, end, STEP):
-            _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, R, rank, STEP, BLOCK_R,
-                            DOT_F32, HAS_DELTA=True)
+            _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, stride_bn, R, rank, STEP,
+                            BLOCK_R, DOT_F32, HAS_DELTA=True)
     else:
         for row0 in range(first, end, STEP):
-            _silu_rows_step(*step_args, row0, end, cols, col_mask, None, None, None, None, R, rank, STEP, BLOCK_R,
-                            DOT_F32, HAS_DELTA=False)
+            _silu_rows_step(*step_args, row0, end, cols, col_mask, None, None, None, None, stride_bn, R, rank, STEP,
+                            BLOCK_R, DOT_F32, HAS_DELTA=False)
 
 
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None,
@@ -237,7 +238,7 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
 @triton.jit
 def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                                stride_res_out, n, eps, h_ptr, b_ptr, order_ptr, tile_slot_ptr, tile_rank_ptr,
-                               tile_start_ptr, tile_len_ptr, stride_bs, stride_hn, stride_ht,
+                               tile_start_ptr, tile_len_ptr, stride_bs, stride_bn: tl.constexpr, stride_hn, stride_ht,
                                HAS_RESIDUAL: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                                BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Two walks over the rows' columns: x + delta (+ residual), each rounded, stored as the residual out while
@@ -255,7 +256,8 @@ def _add_rms_norm_tiles_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stri
         mask = in_use[:, None] & col_mask[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0)
         if slot >= 0:
-            x = _plus_delta_tile(x, h_rows, in_use, b_ptr, cols, col_mask, R, rank, ROWS, BLOCK_R, DOT_F32)
+            x = _plus_delta_tile(x, h_rows, in_use, b_ptr, stride_bn, cols, col_mask, R, rank, ROWS, BLOCK_R,
+                                 DOT_F32)
         if HAS_RESIDUAL:
             r = tl.load(res_ptr + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
@@ -295,7 +297,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 @triton.jit
 def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, cache_cols, cos_ptr, sin_ptr, pos_ptr,
                       slots_ptr, stride_table, dims, in_half, order_ptr, start, row0, end, h_ptr, stride_ht, col_mask,
-                      b1, b2, b_ptr, cols, R: tl.constexpr, rank, STEP: tl.constexpr, HALF: tl.constexpr,
+                      b1, b2, b_ptr, stride_bn: tl.constexpr, cols, R: tl.constexpr, rank, STEP: tl.constexpr,
+                      HALF: tl.constexpr,
                       BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr, ROTATE: tl.constexpr,
                       CACHE: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile, for a program's heads of q, k or v ([STEP, heads x half],
@@ -306,8 +309,8 @@ def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, ca
     mask = in_use[:, None] & col_mask[None, :]
     base = x_ptr + rows[:, None] * stride_xt + x_cols[None, :]
     h_rows = h_ptr + rows[:, None] * stride_ht
-    x1, x2 = _halves_plus_delta(base, HALF, mask, h_rows, h_rows, in_use, b1, b2, b_ptr, b_ptr, cols, cols + HALF,
-                                col_mask, R, rank, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
+    x1, x2 = _halves_plus_delta(base, HALF, mask, h_rows, h_rows, in_use, b1, b2, b_ptr, b_ptr, stride_bn, cols,
+                                cols + HALF, col_mask, R, rank, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
     if ROTATE:
         pos = tl.load(pos_ptr + rows, mask=in_use, other=0).to(tl.int64)
         table = pos[:, None] * stride_table + dims[None, :]
@@ -322,10 +325,11 @@ def _rotary_rows_step(x_ptr, stride_xt, x_cols, cache_ptr, stride_cache_slot, ca
 
 
 @triton.jit
-def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr, b_ptr, stride_bs, cos_ptr, sin_ptr,
-                 pos_ptr, slots_ptr, stride_table, stride_cache_slot, stride_cache_head, dims, in_half, order_ptr,
-                 start, first, end, slot, rank, stride_ht, R: tl.constexpr, STEP: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, ROTATE: tl.constexpr, CACHE: tl.constexpr):
+def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr, b_ptr, stride_bs,
+                 stride_bn: tl.constexpr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, stride_table, stride_cache_slot,
+                 stride_cache_head, dims, in_half, order_ptr, start, first, end, slot, rank, stride_ht, R: tl.constexpr,
+                 STEP: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr,
+                 ROTATE: tl.constexpr, CACHE: tl.constexpr):
     """A program's heads `head` of q, k or v (h's slice at `h_ptr`, B's stack at `b_ptr`) over its part's rows first ..
     end, STEP at a time (`_rotary_rows_step`), the slot's B rows for its heads loaded once for all steps."""
     col_mask = (head < num_heads) & in_half
@@ -337,15 +341,15 @@ def _rotary_walk(x_ptr, stride_xt, stride_xh, cache_ptr, head, num_heads, h_ptr,
         b_ptr = b_ptr + slot.to(tl.int64) * stride_bs
         b1, b2 = None, None
         if R <= BLOCK_R:
-            b1 = b_block(b_ptr, cols, col_mask, 0, R, rank, BLOCK_R)
-            b2 = b_block(b_ptr, cols + HALF, col_mask, 0, R, rank, BLOCK_R)
+            b1 = b_block(b_ptr, stride_bn, cols, col_mask, 0, rank, BLOCK_R)
+            b2 = b_block(b_ptr, stride_bn, cols + HALF, col_mask, 0, rank, BLOCK_R)
         for row0 in range(first, end, STEP):
-            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, b1, b2, b_ptr, cols, R, rank, STEP,
-                              HALF, BLOCK_R, DOT_F32, HAS_DELTA=True, ROTATE=ROTATE, CACHE=CACHE)
+            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, b1, b2, b_ptr, stride_bn, cols, R,
+                              rank, STEP, HALF, BLOCK_R, DOT_F32, HAS_DELTA=True, ROTATE=ROTATE, CACHE=CACHE)
     else:
         for row0 in range(first, end, STEP):
-            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, None, None, None, cols, R, rank,
-                              STEP, HALF, BLOCK_R, DOT_F32, HAS_DELTA=False, ROTATE=ROTATE, CACHE=CACHE)
+            _rotary_rows_step(*step_args, row0, end, h_ptr, stride_ht, col_mask, None, None, None, stride_bn, cols, R,
+                              rank, STEP, HALF, BLOCK_R, DOT_F32, HAS_DELTA=False, ROTATE=ROTATE, CACHE=CACHE)
 
 
 # positions and KV slots: not specialized on alignment (see `fused_triton._rotary_and_write_kv_kernel`)
@@ -354,9 +358,9 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                          stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
                          order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, sbq, sbk, sbv,
-                         stride_hn, stride_ht, R: tl.constexpr, ROWS: tl.constexpr, STEP: tl.constexpr,
-                         HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-                         BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
+                         stride_bn: tl.constexpr, stride_hn, stride_ht, R: tl.constexpr, ROWS: tl.constexpr,
+                         STEP: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                         HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, j, part): a chunk of q heads, of k heads (and cache rows) or of v heads (and theirs), laid out
     flat as (head, dim in half) per row, for its part's ROWS rows walked STEP at a time (`_rotary_walk`): the slot's B
     rows loaded once for all steps, so B's reads from L2 shrink by ROWS / STEP."""
@@ -372,15 +376,15 @@ def _rotary_tiles_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_p
     kv_programs = tl.cdiv(kv_heads, HEADS_PER_PROGRAM)
     if j < q_programs:
         _rotary_walk(q_ptr, stride_qt, stride_qh, None, j * HEADS_PER_PROGRAM + local_head, heads, h_ptr, bq_ptr, sbq,
-                     *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32, ROTATE=True, CACHE=False)
+                     stride_bn, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32, ROTATE=True, CACHE=False)
     elif j < q_programs + kv_programs:
         _rotary_walk(k_ptr, stride_kt, stride_kh, k_cache_ptr, (j - q_programs) * HEADS_PER_PROGRAM + local_head,
-                     kv_heads, h_ptr + stride_hn, bk_ptr, sbk, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32,
+                     kv_heads, h_ptr + stride_hn, bk_ptr, sbk, stride_bn, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32,
                      ROTATE=True, CACHE=True)
     else:
         _rotary_walk(v_ptr, stride_vt, stride_vh, v_cache_ptr,
                      (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head, kv_heads, h_ptr + 2 * stride_hn,
-                     bv_ptr, sbv, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32, ROTATE=False, CACHE=True)
+                     bv_ptr, sbv, stride_bn, *walk_args, R, STEP, HALF, BLOCK_R, DOT_F32, ROTATE=False, CACHE=True)
 
 
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -24,7 +24,7 @@ from kernels import fused_lora_tiles_triton as tiles
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import delta_rows, rank_columns, slot_stacks
+from kernels.lora_triton import delta_rows, rank_columns, row_stride, slot_stacks
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -58,15 +58,17 @@ LORA_CONFIGS: dict[str, LoRAOpConfig] = {
 
 
 def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tensor) -> tuple:
-    """(h, B_0 .. B_{n-1}, adapter slots, their ranks, max rank, B slot strides .., h strides) as the kernels take
-    them; placeholders that no kernel reads without a delta. The max rank (the slots' padded rank) is a constexpr:
-    one compile per max rank; each token's slot rank is read on the device."""
+    """(h, B_0 .. B_{n-1}, adapter slots, their ranks, max rank, B row stride, B slot strides .., h strides) as the
+    kernels take them; placeholders that no kernel reads without a delta. The max rank (the slots' padded rank, or the
+    width of B's view) and B's row stride are constexprs: one compile per pair, and B's loads stay 16 bytes wide at
+    any row stride divisible by 8 (an integer argument is known divisible by 16 at most); each token's slot rank is
+    read on the device."""
     if lora is None:
-        return (placeholder,) * (num_slices + 3) + (0,) * (num_slices + 3)
+        return (placeholder,) * (num_slices + 3) + (0,) * (num_slices + 4)
     b_slices = slot_stacks(lora.b_slices)
     h = lora.h if lora.h.stride(2) == 1 else lora.h.contiguous()
-    return (h, *b_slices, lora.meta.slots, lora.meta.token_rank, lora.rank, *(b.stride(0) for b in b_slices),
-            h.stride(0), h.stride(1))
+    return (h, *b_slices, lora.meta.slots, lora.meta.token_rank, lora.rank, row_stride(b_slices),
+            *(b.stride(0) for b in b_slices), h.stride(0), h.stride(1))
 
 
 def _tiled(lora: LoRADelta) -> bool:
@@ -81,10 +83,10 @@ def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:
 
 
 @triton.jit
-def _plus_delta(y, b_ptr, cols, mask, h_row, R: tl.constexpr, rank, BLOCK_R: tl.constexpr):
-    """y + h_row . B[cols]^T, rounded once to y's dtype: B (one slot, rows of R values, read below the slot's `rank`)
-    at rows `cols`."""
-    return (y.to(tl.float32) + delta_rows(b_ptr, cols, mask, h_row, R, rank, BLOCK_R)).to(y.dtype)
+def _plus_delta(y, b_ptr, stride_bn: tl.constexpr, cols, mask, h_row, R: tl.constexpr, rank, BLOCK_R: tl.constexpr):
+    """y + h_row . B[cols]^T, rounded once to y's dtype: B (one slot, rows of R values `stride_bn` apart, read below
+    the slot's `rank`) at rows `cols`."""
+    return (y.to(tl.float32) + delta_rows(b_ptr, stride_bn, cols, mask, h_row, R, rank, BLOCK_R)).to(y.dtype)
 
 
 @triton.jit
@@ -94,8 +96,8 @@ def _row_chunk(ptr, row, stride, cols, mask):
 
 
 @triton.jit
-def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R: tl.constexpr,
-                 rank, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr):
+def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, stride_bn: tl.constexpr, h_row,
+                 R: tl.constexpr, rank, HAS_RESIDUAL: tl.constexpr, BLOCK_R: tl.constexpr):
     """x + delta, rounded, (+ residual, rounded) at `cols` of a row. The residual is loaded before the delta's sum,
     with B, not after it. (Loaded ahead of the branch, it made Triton sum the row's squares in another layout,
     so in another order, than before.)"""
@@ -103,7 +105,7 @@ def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter,
     if adapter >= 0:
         if HAS_RESIDUAL:
             r = _row_chunk(res_ptr, row, stride_res, cols, mask)
-        x = _plus_delta(x, b_ptr, cols, mask, h_row, R, rank, BLOCK_R)
+        x = _plus_delta(x, b_ptr, stride_bn, cols, mask, h_row, R, rank, BLOCK_R)
     else:
         if HAS_RESIDUAL:
             r = _row_chunk(res_ptr, row, stride_res, cols, mask)
@@ -114,9 +116,9 @@ def _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter,
 
 @triton.jit
 def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                           stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bs,
-                           stride_ht, HAS_RESIDUAL: tl.constexpr, CHUNK: tl.constexpr, BLOCK_R: tl.constexpr,
-                           ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
+                           stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr,
+                           stride_bn: tl.constexpr, stride_bs, stride_ht, HAS_RESIDUAL: tl.constexpr,
+                           CHUNK: tl.constexpr, BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
     """x + delta (+ residual) stored as the residual out, then normalized. A row of one chunk (ONE_PASS) is read
     once and normalized from registers, its weight read while the predecessor finishes. A wider row goes in two
     passes over its chunks: the residual out stored while the squares add up, then reloaded and normalized."""
@@ -130,8 +132,8 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
     b_ptr = b_ptr + adapter.to(tl.int64) * stride_bs
     h_row = h_ptr + row * stride_ht
     if ONE_PASS:
-        x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R, rank,
-                         HAS_RESIDUAL, BLOCK_R)
+        x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, stride_bn, h_row, R,
+                         rank, HAS_RESIDUAL, BLOCK_R)
         tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
         h = x.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n + eps)
@@ -141,8 +143,8 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
         for c0 in range(0, n, CHUNK):
             cols = c0 + tl.arange(0, CHUNK)
             mask = cols < n
-            x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, h_row, R,
-                             rank, HAS_RESIDUAL, BLOCK_R)
+            x = _lora_hidden(row, cols, mask, x_ptr, res_ptr, stride_x, stride_res, adapter, b_ptr, stride_bn, h_row,
+                             R, rank, HAS_RESIDUAL, BLOCK_R)
             tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
             h = x.to(tl.float32)
             squares += h * h
@@ -158,15 +160,15 @@ def _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, str
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                         stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bs,
-                         stride_hn, stride_ht,
+                         stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R: tl.constexpr,
+                         stride_bn: tl.constexpr, stride_bs, stride_hn, stride_ht,
                          HAS_RESIDUAL: tl.constexpr, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr,
                          BLOCK_R: tl.constexpr, ONE_PASS: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     if HAS_LORA:
         _add_rms_norm_lora_row(row, x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                               stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R, stride_bs, stride_ht,
-                               HAS_RESIDUAL, BLOCK, BLOCK_R, ONE_PASS, USE_PDL)
+                               stride_res_out, n, eps, h_ptr, b_ptr, adapters_ptr, ranks_ptr, R, stride_bn, stride_bs,
+                               stride_ht, HAS_RESIDUAL, BLOCK, BLOCK_R, ONE_PASS, USE_PDL)
     else:
         cols = tl.arange(0, BLOCK)
         mask = cols < n
@@ -212,9 +214,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, adapters_ptr,
-                         ranks_ptr, R: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn, stride_ht,
-                         HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_R: tl.constexpr,
-                         USE_PDL: tl.constexpr):
+                         ranks_ptr, R: tl.constexpr, stride_bn: tl.constexpr, stride_bs_gate, stride_bs_up, stride_hn,
+                         stride_ht, HAS_LORA: tl.constexpr, BLOCK: tl.constexpr, CHUNKS: tl.constexpr,
+                         BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     wait_for_predecessor(USE_PDL)
     if HAS_LORA:
@@ -230,8 +232,8 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_
         up = tl.load(x_ptr + row * stride_x + n + cols, mask=mask, other=0.0)
         if HAS_LORA:  # noqa: SIM102 - `adapter` exists only in the HAS_LORA variant
             if adapter >= 0:
-                gate = _plus_delta(gate, b_gate_ptr, cols, mask, h_row, R, rank, BLOCK_R)
-                up = _plus_delta(up, b_up_ptr, cols, mask, h_row + stride_hn, R, rank, BLOCK_R)
+                gate = _plus_delta(gate, b_gate_ptr, stride_bn, cols, mask, h_row, R, rank, BLOCK_R)
+                up = _plus_delta(up, b_up_ptr, stride_bn, cols, mask, h_row + stride_hn, R, rank, BLOCK_R)
         tl.store(out_ptr + row * stride_out + cols, silu_times(gate, up), mask=mask)
 
 
@@ -269,14 +271,14 @@ def _rotate(base, cos, sin, mask, HALF: tl.constexpr):
 
 
 @triton.jit
-def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.constexpr, rank, HALF: tl.constexpr,
-                            BLOCK_R: tl.constexpr):
+def _load_halves_plus_delta(base, mask, b_ptr, stride_bn: tl.constexpr, cols, h_row, adapter, R: tl.constexpr, rank,
+                            HALF: tl.constexpr, BLOCK_R: tl.constexpr):
     """The halves at `base` and `base + HALF` with the LoRA delta of B rows `cols` and `cols + HALF` added."""
     x1 = tl.load(base, mask=mask, other=0.0)
     x2 = tl.load(base + HALF, mask=mask, other=0.0)
     if adapter >= 0:
-        x1 = _plus_delta(x1, b_ptr, cols, mask, h_row, R, rank, BLOCK_R)
-        x2 = _plus_delta(x2, b_ptr, cols + HALF, mask, h_row, R, rank, BLOCK_R)
+        x1 = _plus_delta(x1, b_ptr, stride_bn, cols, mask, h_row, R, rank, BLOCK_R)
+        x2 = _plus_delta(x2, b_ptr, stride_bn, cols + HALF, mask, h_row, R, rank, BLOCK_R)
     return x1, x2
 
 
@@ -284,8 +286,8 @@ def _load_halves_plus_delta(base, mask, b_ptr, cols, h_row, adapter, R: tl.const
 def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, slot, k_cache_ptr, v_cache_ptr,
                          stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                          stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
-                         adapters_ptr, ranks_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht,
-                         HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
+                         adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bn: tl.constexpr, sbq, sbk, sbv, stride_hn,
+                         stride_ht, HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
                          BLOCK_R: tl.constexpr):
     """Program j of a token: a chunk of its q heads, of its k heads (and their cache rows) or of its v heads
     (and theirs), laid out flat as (head, dim in half)."""
@@ -304,16 +306,16 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         head = j * HEADS_PER_PROGRAM + local_head
         mask = (head < heads) & in_half
         base = q_ptr + token * stride_qt + head * stride_qh + dims
-        x1, x2 = _load_halves_plus_delta(base, mask, bq_ptr + adapter.to(tl.int64) * sbq, head * (2 * HALF) + dims,
-                                         h_row, adapter, R, rank, HALF, BLOCK_R)
+        x1, x2 = _load_halves_plus_delta(base, mask, bq_ptr + adapter.to(tl.int64) * sbq, stride_bn,
+                                         head * (2 * HALF) + dims, h_row, adapter, R, rank, HALF, BLOCK_R)
         y1, y2 = rotated(x1, x2, cos, sin)
         store_halves(base, y1, y2, mask, HALF)
     elif j < q_programs + kv_programs:
         head = (j - q_programs) * HEADS_PER_PROGRAM + local_head
         mask = (head < kv_heads) & in_half
         base = k_ptr + token * stride_kt + head * stride_kh + dims
-        x1, x2 = _load_halves_plus_delta(base, mask, bk_ptr + adapter.to(tl.int64) * sbk, head * (2 * HALF) + dims,
-                                         h_row + stride_hn, adapter, R, rank, HALF, BLOCK_R)
+        x1, x2 = _load_halves_plus_delta(base, mask, bk_ptr + adapter.to(tl.int64) * sbk, stride_bn,
+                                         head * (2 * HALF) + dims, h_row + stride_hn, adapter, R, rank, HALF, BLOCK_R)
         y1, y2 = rotated(x1, x2, cos, sin)
         store_halves(base, y1, y2, mask, HALF)
         store_halves(k_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, y1, y2, mask, HALF)
@@ -321,8 +323,9 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
         head = (j - q_programs - kv_programs) * HEADS_PER_PROGRAM + local_head
         mask = (head < kv_heads) & in_half
         base = v_ptr + token * stride_vt + head * stride_vh + dims
-        x1, x2 = _load_halves_plus_delta(base, mask, bv_ptr + adapter.to(tl.int64) * sbv, head * (2 * HALF) + dims,
-                                         h_row + 2 * stride_hn, adapter, R, rank, HALF, BLOCK_R)
+        x1, x2 = _load_halves_plus_delta(base, mask, bv_ptr + adapter.to(tl.int64) * sbv, stride_bn,
+                                         head * (2 * HALF) + dims, h_row + 2 * stride_hn, adapter, R, rank, HALF,
+                                         BLOCK_R)
         if adapter >= 0:
             store_halves(base, x1, x2, mask, HALF)
         store_halves(v_cache_ptr + slot * stride_cache_slot + head * stride_cache_head + dims, x1, x2, mask, HALF)
@@ -334,10 +337,10 @@ def _rotary_lora_program(token, j, q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, s
 def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, slots_ptr, k_cache_ptr, v_cache_ptr,
                                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_table,
                                 stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr, bk_ptr, bv_ptr,
-                                adapters_ptr, ranks_ptr, R: tl.constexpr, sbq, sbk, sbv, stride_hn, stride_ht,
-                                HALF: tl.constexpr, HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr,
-                                KV_HEADS_PAD: tl.constexpr, HAS_LORA: tl.constexpr, HEADS_PER_PROGRAM: tl.constexpr,
-                                BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
+                                adapters_ptr, ranks_ptr, R: tl.constexpr, stride_bn: tl.constexpr, sbq, sbk, sbv,
+                                stride_hn, stride_ht, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                                HEADS_PAD: tl.constexpr, KV_HEADS_PAD: tl.constexpr, HAS_LORA: tl.constexpr,
+                                HEADS_PER_PROGRAM: tl.constexpr, BLOCK_R: tl.constexpr, USE_PDL: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     wait_for_predecessor(USE_PDL)  # positions and cache slots may be written on the device
     pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -346,8 +349,8 @@ def _rotary_and_write_kv_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, 
         _rotary_lora_program(token, tl.program_id(1), q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos, slot, k_cache_ptr,
                              v_cache_ptr, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                              stride_table, stride_cache_slot, stride_cache_head, heads, kv_heads, h_ptr, bq_ptr,
-                             bk_ptr, bv_ptr, adapters_ptr, ranks_ptr, R, sbq, sbk, sbv, stride_hn, stride_ht, HALF,
-                             HALF_PAD, HEADS_PER_PROGRAM, BLOCK_R)
+                             bk_ptr, bv_ptr, adapters_ptr, ranks_ptr, R, stride_bn, sbq, sbk, sbv, stride_hn,
+                             stride_ht, HALF, HALF_PAD, HEADS_PER_PROGRAM, BLOCK_R)
     else:
         dims = tl.arange(0, HALF_PAD)
         in_half = dims < HALF

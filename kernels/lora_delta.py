@@ -19,8 +19,9 @@ class LoRADelta:
     """y[:, off_i:off_i + N_i] += h[i] @ B_i[slot]^T, slices side by side, for a consumer to apply.
 
     `h` is float32 [n, T, R] as `lora_shrink_slices` returns it; `b_slices[i]` is a stacked slot tensor
-    [S, N_i, R] in the model dtype (each slot's matrix contiguous, any stride between slots); tokens
-    whose `meta.slots` entry is -1 get no delta. `tiled`: the consumer takes its tiled variant (B read once per
+    [S, N_i, R] in the model dtype (rows dense, all slices' rows equally far apart, at least R: a view of the first R
+    rank columns of wider slots is taken as it is; any stride between slots); R, the rank, is that width, h's too;
+    tokens whose `meta.slots` entry is -1 get no delta. `tiled`: the consumer takes its tiled variant (B read once per
     tile of same-slot tokens) on a per-token-sized step too, as the step chose (`lora_tuning.tiled_decode_ops`);
     steps on the segment path take it regardless.
     """

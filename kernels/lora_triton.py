@@ -10,6 +10,9 @@ captured in a CUDA graph. h is float32; accumulation is float32.
 Slots are padded to the stacks' rank R: a program reads its slot's A rows below the slot's own rank only
 (`LoRAMetadata.token_rank`, `tile_rank`, loaded beside the slot), and its B columns (and h's) up to that rank rounded
 up to whole vectors (`rank_columns`), so the padding costs no memory traffic; the shrink leaves h zero past the rank.
+The stacks may be views of the first R rank columns (B) or rows (A) of wider slots: R, the rank width every launch
+shape follows (configs, rank blocks, grids, h's width), is the stacks' own, and the kernels step over A's and B's rows
+by their strides (`stride_ar`, `stride_bn`), not by K or R.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ H_ROWS_ALIGN = 16
 @triton.jit
 def _shrink_bgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, slots_ptr, ranks_ptr, h_ptr,
-    K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
+    K, R, stride_xt, stride_as, stride_ar, stride_hn, stride_ht, k_per_split,
     BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -62,7 +65,7 @@ def _shrink_bgmv_kernel(
         a_ptr = a1_ptr
     else:
         a_ptr = a2_ptr
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * K
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_r[:, None] * stride_ar
     a_mask = offs_r < rank  # A's rows past the slot's rank are padding, not read: h is zero there
     x_row = x_ptr + tok.to(tl.int64) * stride_xt
     k_lo = ks * k_per_split
@@ -95,7 +98,7 @@ def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
 @triton.jit
 def _shrink_sgmv_kernel(
     x_ptr, a0_ptr, a1_ptr, a2_ptr, order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, h_ptr,
-    K, R, stride_xt, stride_as, stride_hn, stride_ht, k_per_split,
+    K, R, stride_xt, stride_as, stride_ar, stride_hn, stride_ht, k_per_split,
     NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -119,7 +122,7 @@ def _shrink_sgmv_kernel(
             for i in tl.static_range(NUM_SLICES):
                 tl.store(h_ptrs + i * stride_hn, tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32), mask=h_mask)
         return
-    a_offs = slot.to(tl.int64) * stride_as + offs_r[None, :] * K
+    a_offs = slot.to(tl.int64) * stride_as + offs_r[None, :] * stride_ar
     a_in_rank = offs_r < rank  # A's rows past the slot's rank are padding, not read: h is zero there
     x_rows = x_ptr + rows[:, None] * stride_xt
     acc0 = tl.zeros([BLOCK_M, BLOCK_R], dtype=tl.float32)
@@ -188,28 +191,29 @@ def rank_columns(rank, R):
 
 
 @triton.jit
-def delta_rows(b_ptr, rows, mask, h_row, R, rank, BLOCK_R: tl.constexpr):
-    """float32 h_row . B[rows]^T for one slot's B (rows of R values), read in its first `rank` columns
-    (`rank_columns`; the rest is padding): the per-token expand's sum, which the fused ops also add as they read a
-    projection's output (`fused_triton`)."""
+def delta_rows(b_ptr, stride_bn, rows, mask, h_row, R, rank, BLOCK_R: tl.constexpr):
+    """float32 h_row . B[rows]^T for one slot's B (rows of R values, `stride_bn` apart), read in its first `rank`
+    columns (`rank_columns`; the rest is padding): the per-token expand's sum, which the fused ops also add as they
+    read a projection's output (`fused_triton`)."""
     acc = tl.zeros(rows.shape, dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_mask = offs_r < rank
         hv = tl.load(h_row + offs_r, mask=r_mask, other=0.0)
-        bv = tl.load(b_ptr + rows[:, None] * R + offs_r[None, :], mask=mask[:, None] & r_mask[None, :], other=0.0)
+        bv = tl.load(b_ptr + rows[:, None] * stride_bn + offs_r[None, :], mask=mask[:, None] & r_mask[None, :],
+                     other=0.0)
         # h rounded to B's dtype, as peft's lora_B receives lora_A's output (and as `delta_tile` does)
         acc += tl.sum(bv.to(tl.float32) * hv.to(bv.dtype).to(tl.float32)[None, :], axis=1)
     return acc
 
 
 @triton.jit
-def b_block(b_ptr, cols, n_mask, r0, R, rank, BLOCK_R: tl.constexpr):
-    """One rank block of one slot's B (rows of R values) transposed: B[cols, r0 : r0 + BLOCK_R]^T,
+def b_block(b_ptr, stride_bn, cols, n_mask, r0, rank, BLOCK_R: tl.constexpr):
+    """One rank block of one slot's B (rows `stride_bn` apart) transposed: B[cols, r0 : r0 + BLOCK_R]^T,
     [BLOCK_R, len(cols)], zero past its first `rank` columns (`rank_columns`; padding, not read); loaded apart from
     h so a program can keep it for several row tiles."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
-    return tl.load(b_ptr + cols[None, :] * R + offs_r[:, None], mask=(offs_r < rank)[:, None] & n_mask[None, :],
+    return tl.load(b_ptr + cols[None, :] * stride_bn + offs_r[:, None], mask=(offs_r < rank)[:, None] & n_mask[None, :],
                    other=0.0)
 
 
@@ -223,23 +227,24 @@ def plus_h_times_b(acc, h_rows, m_mask, bv, r0, rank, BLOCK_R: tl.constexpr, DOT
 
 
 @triton.jit
-def delta_tile(h_rows, m_mask, b_ptr, cols, n_mask, R, rank, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr,
-               DOT_F32: tl.constexpr):
+def delta_tile(h_rows, m_mask, b_ptr, stride_bn, cols, n_mask, R, rank, BLOCK_M: tl.constexpr,
+               BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """float32 [BLOCK_M, len(cols)] h[rows] @ B[cols]^T for a tile of one slot's tokens: `h_rows` points at the
-    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values, read in its first `rank` columns, `rank_columns`)
+    tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values `stride_bn` apart, read in its first `rank` columns,
+    `rank_columns`)
     is read once for the whole tile. The segment expand's sum, which the fused ops' tiled variants also add as they
     read a projection's output (`fused_lora_tiles_triton`)."""
     acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
-        acc = plus_h_times_b(acc, h_rows, m_mask, b_block(b_ptr, cols, n_mask, r0, R, rank, BLOCK_R), r0, rank,
-                             BLOCK_R, DOT_F32)
+        acc = plus_h_times_b(acc, h_rows, m_mask, b_block(b_ptr, stride_bn, cols, n_mask, r0, rank, BLOCK_R), r0,
+                             rank, BLOCK_R, DOT_F32)
     return acc
 
 
 @triton.jit
 def _expand_bgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, slots_ptr, ranks_ptr, y_ptr,
-    R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
+    R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_bn, stride_hn, stride_ht, stride_yt,
     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     tok = tl.program_id(0)
@@ -256,14 +261,14 @@ def _expand_bgmv_kernel(
         offs_n = (chunk * N_BLOCKS + g) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_mask = offs_n < width
         yv = tl.load(y_row + offs_n, mask=n_mask, other=0.0)  # issued before the B loads it waits on
-        acc = delta_rows(b_ptr, offs_n, n_mask, h_row, R, rank, BLOCK_R)
+        acc = delta_rows(b_ptr, stride_bn, offs_n, n_mask, h_row, R, rank, BLOCK_R)
         tl.store(y_row + offs_n, (yv.to(tl.float32) + acc).to(yv.dtype), mask=n_mask)
 
 
 @triton.jit
 def _expand_sgmv_kernel(
     h_ptr, b0_ptr, b1_ptr, b2_ptr, order_ptr, tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, y_ptr,
-    R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_hn, stride_ht, stride_yt,
+    R, N0, N1, N2, NB0, NB01, SB0, SB1, SB2, stride_bn, stride_hn, stride_ht, stride_yt,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, N_BLOCKS: tl.constexpr,
     DOT_F32: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -287,7 +292,7 @@ def _expand_sgmv_kernel(
         n_mask = offs_n < width
         y_mask = m_mask[:, None] & n_mask[None, :]
         yv = tl.load(y_rows + offs_n[None, :], mask=y_mask, other=0.0)
-        acc = delta_tile(h_rows, m_mask, b_ptr, offs_n, n_mask, R, rank, BLOCK_M, BLOCK_R, DOT_F32)
+        acc = delta_tile(h_rows, m_mask, b_ptr, stride_bn, offs_n, n_mask, R, rank, BLOCK_M, BLOCK_R, DOT_F32)
         tl.store(y_rows + offs_n[None, :], (yv.to(tl.float32) + acc).to(yv.dtype), mask=y_mask)
 
 
@@ -308,9 +313,21 @@ def _padded(seq: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def slot_stacks(stacks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Stacked slot tensors [S, rows, cols] as the kernels read them: each slot's matrix contiguous, any
-    stride between slots (the engine's slots are views of one [S, slot size] buffer)."""
-    return [t if t.stride(2) == 1 and t.stride(1) == t.shape[2] else t.contiguous() for t in stacks]
+    """Stacked slot tensors [S, rows, cols] as the kernels read them: each row dense, rows at least `cols` apart, any
+    stride between slots. Such stacks are taken as they are, not copied: the engine's slots are views of one
+    [S, slot size] buffer, and a step whose adapters' ranks fit a width W hands B in as a view of its first W rank
+    columns (rows as far apart as the slots' max rank) and A as one of its first W rows."""
+    return [t if t.stride(2) == 1 and t.stride(1) >= t.shape[2] else t.contiguous() for t in stacks]
+
+
+def row_stride(stacks: Sequence[torch.Tensor]) -> int:
+    """The row stride the stacks of one launch share, one kernel argument for all their slices: raises unless they
+    share it (a layer's slices are views of slots of one max rank)."""
+    strides = sorted({t.stride(1) for t in stacks})
+    if len(strides) > 1:
+        raise ValueError(f"the slices of one LoRA launch must share their row stride, got strides {strides} "
+                         f"(shapes {[list(t.shape) for t in stacks]})")
+    return strides[0]
 
 
 def _pdl_for(path: str, device: torch.device) -> dict[str, bool]:
@@ -342,8 +359,8 @@ def shrink_slices(
     if x.stride(1) != 1:
         x = x.contiguous()
     a_slices = slot_stacks(a_slices)
-    if len({a.stride(0) for a in a_slices}) > 1:
-        a_slices = [a.contiguous() for a in a_slices]  # one slot stride for all slices (same shapes)
+    if len({a.stride()[:2] for a in a_slices}) > 1:
+        a_slices = [a.contiguous() for a in a_slices]  # one slot and row stride for all slices (same shapes)
     if out is None:
         rows = triton.cdiv(num_tokens, H_ROWS_ALIGN) * H_ROWS_ALIGN
         out = torch.empty(n, rows, rank, dtype=torch.float32, device=x.device)[:, :num_tokens]
@@ -359,7 +376,7 @@ def shrink_slices(
     if cfg.split_k > 1:
         out.zero_()
     a0, a1, a2 = _padded(a_slices)
-    common = (k, rank, x.stride(0), a0.stride(0), out.stride(0), out.stride(1), k_per_split)
+    common = (k, rank, x.stride(0), a0.stride(0), a0.stride(1), out.stride(0), out.stride(1), k_per_split)
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_for(path, x.device))
     if path == "bgmv":
         grid = (num_tokens, triton.cdiv(rank, block_r), n * cfg.split_k)
@@ -396,6 +413,9 @@ def expand_slices(
         raise ValueError("y must have unit stride along its columns")
     rank = b_slices[0].shape[2]
     b_slices = slot_stacks(b_slices)
+    stride_bn = row_stride(b_slices)
+    if h.stride(2) != 1:
+        h = h.contiguous()
     path = path or lora_tuning.choose_path(num_tokens)
     cfg = config or lora_tuning.expand_config(path, meta.block_m, rank)
     min_block = 16 if path == "sgmv" else 1
@@ -404,7 +424,8 @@ def expand_slices(
     blocks = [triton.cdiv(w, cfg.block_n * cfg.n_blocks) for w in widths]
     b0, b1, b2 = _padded(b_slices)
     slot_strides = [b.stride(0) for b in b_slices] + [0] * (MAX_SLICES - len(b_slices))
-    common = (rank, *widths, blocks[0], blocks[0] + blocks[1], *slot_strides, h.stride(0), h.stride(1), y.stride(0))
+    common = (rank, *widths, blocks[0], blocks[0] + blocks[1], *slot_strides, stride_bn, h.stride(0), h.stride(1),
+              y.stride(0))
     launch = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_for(path, y.device))
     if path == "bgmv":
         _expand_bgmv_kernel[(num_tokens, sum(blocks))](
