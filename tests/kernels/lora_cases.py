@@ -101,6 +101,14 @@ def fill_past_ranks_(stack: torch.Tensor, slot_ranks: Sequence[int], dim: int, v
     return stack
 
 
+def width_view(stack: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """The first `width` rank rows (A: dim 1) or columns (B: dim 2) of a stack allocated at a larger max rank, as a
+    view (no copy), the stack past them set to NaN, in place: what the engine hands the kernels on a step whose
+    adapters' ranks all fit `width`. A kernel that reads past the view spreads the NaN."""
+    stack.narrow(dim, width, stack.shape[dim] - width).fill_(float("nan"))
+    return stack.narrow(dim, 0, width)
+
+
 def b_columns_read(slot_ranks: Sequence[int], max_rank: int) -> list[int]:
     """The rank columns of each slot's B (and h) the kernels read: its rank rounded up to whole vectors
     (`lora_triton.rank_columns`), at most the max rank. Past them B's padding is never read; up to them it is zero,
