@@ -231,9 +231,8 @@ def delta_tile(h_rows, m_mask, b_ptr, stride_bn, cols, n_mask, R, rank, BLOCK_M:
                BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """float32 [BLOCK_M, len(cols)] h[rows] @ B[cols]^T for a tile of one slot's tokens: `h_rows` points at the
     tile's h rows ([BLOCK_M, 1]), B (one slot, rows of R values `stride_bn` apart, read in its first `rank` columns,
-    `rank_columns`)
-    is read once for the whole tile. The segment expand's sum, which the fused ops' tiled variants also add as they
-    read a projection's output (`fused_lora_tiles_triton`)."""
+    `rank_columns`) is read once for the whole tile. The segment expand's sum, which the fused ops' tiled variants
+    also add as they read a projection's output (`fused_lora_tiles_triton`)."""
     acc = tl.zeros([BLOCK_M, cols.shape[0]], dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
         acc = plus_h_times_b(acc, h_rows, m_mask, b_block(b_ptr, stride_bn, cols, n_mask, r0, rank, BLOCK_R), r0,
