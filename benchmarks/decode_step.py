@@ -75,9 +75,8 @@ def main() -> None:
             results["rows"].append(row)
             print(f"{label:12} b{batch:<4} wall {row['step_wall_ms']:.2f} ms  graph {row['graph_replay_ms']:.2f}  "
                   f"head+greedy {row['lm_head_and_greedy_ms']:.2f}  host waits {row['host_wait_ms']:.2f}  "
-                  f"floor {row['floor_ms']:.2f}  "
-                  f"x{row['over_floor']:.3f}  tiled {','.join(row['tiled_folds']) or '-'}  "
-                  f"({time.perf_counter() - t:.0f} s)", flush=True)
+                  f"floor {row['floor_ms']:.2f}  x{row['over_floor']:.3f}  tiled {','.join(row['tiled_folds']) or '-'}  "
+                  f"rank width {row['rank_width'] or '-'}  ({time.perf_counter() - t:.0f} s)", flush=True)
             (args.out / "decode_step.json").write_text(json.dumps(results, indent=1))
 
     if "base" in args.cases:

@@ -327,7 +327,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
         engine.sampler.greedy_pending(engine.model.compute_logits(graphs.outputs[key][:batch_size]))
 
     graph_ms, step_ms = gpu_ms(graphs.graphs[key].replay), gpu_ms(full_step)
-    return dict(batch=batch_size, context=context, tiled_folds=sorted(key.tiled_folds),
+    return dict(batch=batch_size, context=context, tiled_folds=sorted(key.tiled_folds), rank_width=key.rank_width,
                 step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
                 lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms),
                 host_wait_ms=1e3 * sum(waits) / steps)

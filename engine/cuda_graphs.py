@@ -26,6 +26,7 @@ import torch
 import kernels
 from kernels import lora_tuning
 
+from .lora_layout import SlotRanks
 from .model import LlamaForCausalLM
 from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
 
@@ -62,43 +63,47 @@ def smallest_bucket(buckets: list[int], batch: int) -> int:
 
 
 class GraphKey(NamedTuple):
-    """Which decode graph: its bucket, whether it does the LoRA work, and the LoRA folds it hands to the fused
-    ops' tiled variants (`LoRAStep.tiled_folds`)."""
+    """Which decode graph: its bucket, whether it does the LoRA work, the LoRA folds it hands to the fused
+    ops' tiled variants (`LoRAStep.tiled_folds`), and the rank width it reads the slots at (`LoRAStep.rank_width`;
+    None: the slots' whole width)."""
 
     bucket: int
     with_lora: bool
     tiled_folds: frozenset[str] = frozenset()
+    rank_width: int | None = None
 
 
 def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],
-              tileable: Mapping[int, frozenset[str]]) -> GraphKey:
+              tileable: Mapping[int, frozenset[str]], rank_width: int | None = None) -> GraphKey:
     """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
     bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
-    uses one), and, when the rows share few adapters (`lora_tuning.shares_few_adapters`), the folds that bucket
-    was captured tiled with (`tileable`, from `captured_tiled_folds`): a switch changed since capture cannot
-    name a graph that does not exist."""
+    uses one), when the rows share few adapters (`lora_tuning.shares_few_adapters`), the folds that bucket
+    was captured tiled with (`tileable`, from `captured_tiled_folds`: a switch changed since capture cannot
+    name a graph that does not exist), and the rank width of the step's adapters (`lora_tuning.rank_width`)."""
     bucket = smallest_bucket(buckets, batch)
     if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
         return GraphKey(bucket, False)
     ops = tileable[bucket]
-    return GraphKey(bucket, True, ops if ops and lora_tuning.shares_few_adapters(lora_slots) else frozenset())
+    return GraphKey(bucket, True, ops if ops and lora_tuning.shares_few_adapters(lora_slots) else frozenset(),
+                    rank_width)
 
 
-def bucket_keys(bucket: int, num_lora_slots: int) -> list[GraphKey]:
+def bucket_keys(bucket: int, num_lora_slots: int, narrow_width: int | None = None) -> list[GraphKey]:
     """The graphs captured for a bucket: without the LoRA work; with adapter slots also with it, and with it
-    and the tiled folds where a step of that size can take them (`lora_tuning.tileable_decode_ops`)."""
+    and the tiled folds where a step of that size can take them (`lora_tuning.tileable_decode_ops`); each LoRA
+    graph at the slots' whole width and, given one, at a narrower rank width (`lora_tuning.narrow_rank_width`)."""
     keys = [GraphKey(bucket, False)]
     if num_lora_slots:
-        keys.append(GraphKey(bucket, True))
         tileable = lora_tuning.tileable_decode_ops(bucket)
-        if tileable:
-            keys.append(GraphKey(bucket, True, tileable))
+        widths = [None] if narrow_width is None else [None, narrow_width]
+        for tiled in [frozenset(), tileable] if tileable else [frozenset()]:
+            keys += [GraphKey(bucket, True, tiled, width) for width in widths]
     return keys
 
 
 def captured_tiled_folds(buckets: list[int], num_lora_slots: int) -> dict[int, frozenset[str]]:
-    """The folds each bucket's graphs are captured tiled with (`bucket_keys`, whose tiled graph comes last where
-    there is one), as the switches say now: read once, at capture."""
+    """The folds each bucket's graphs are captured tiled with (`bucket_keys`, whose tiled graphs come last where
+    there are some), as the switches say now: read once, at capture."""
     return {bucket: bucket_keys(bucket, num_lora_slots)[-1].tiled_folds for bucket in buckets}
 
 
@@ -128,13 +133,14 @@ class StagedBlockTables:
 
 class DecodeGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches, *, max_num_seqs: int, max_blocks_per_seq: int,
-                 scratch_block: int, block_size: int, lora_slot_ranks: torch.Tensor | None, device: torch.device):
+                 scratch_block: int, block_size: int, lora_slot_ranks: SlotRanks | None, device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.lora_slot_ranks = lora_slot_ranks  # read by the captured metadata preparation at each replay
-        self.num_lora_slots = num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.shape[0]
+        self.num_lora_slots = num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.num_slots
+        self.narrow_width = None if lora_slot_ranks is None else lora_tuning.narrow_rank_width(lora_slot_ranks.max_rank)
         self.buckets = default_buckets(max_num_seqs)
         top = self.buckets[-1]
         # one row per per-token input (token id, position, KV slot, context length, adapter slot, and
@@ -176,7 +182,8 @@ class DecodeGraphs:
             # then) 10.93 against 10.79
             per_token = lora_tuning.choose_path(size) == "bgmv"
             lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if per_token else None,
-                            fold_into=lora_tuning.folded_ops(size), tiled_folds=key.tiled_folds)
+                            fold_into=lora_tuning.folded_ops(size), tiled_folds=key.tiled_folds,
+                            rank_width=key.rank_width)
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:
@@ -185,7 +192,7 @@ class DecodeGraphs:
             if self.num_lora_slots:
                 self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device,
                                                                   block_m=lora_tuning.DECODE_BLOCK_M)
-            for key in reversed(bucket_keys(size, self.num_lora_slots)):
+            for key in reversed(bucket_keys(size, self.num_lora_slots, self.narrow_width)):
                 self._capture(key, pool)
         torch.cuda.synchronize()
 
@@ -207,16 +214,20 @@ class DecodeGraphs:
     def _prepare_lora(self, size: int) -> None:
         """Groups the tokens by adapter slot from the static slot buffer; captured in the graph, so a
         replay does it without host work."""
-        kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots, slot_ranks=self.lora_slot_ranks,
-                                      out=self.lora_meta[size])
+        kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots,
+                                      slot_ranks=self.lora_slot_ranks.on_device, out=self.lora_meta[size])
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
     def key(self, batch: int, lora_slots: list[int]) -> GraphKey:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, whether it does the
-        LoRA work (some row uses an adapter), and the folds it hands to the tiled variants (`graph_key`)."""
-        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.tileable)
+        LoRA work (some row uses an adapter), the folds it hands to the tiled variants and its rank width
+        (`graph_key`)."""
+        width = None
+        if self.narrow_width is not None:
+            width = lora_tuning.rank_width(self.lora_slot_ranks.largest(lora_slots), self.lora_slot_ranks.max_rank)
+        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.tileable, width)
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:

@@ -16,6 +16,29 @@ import torch
 from adapters_registry import LoadedAdapter
 
 
+@dataclass
+class SlotRanks:
+    """Each adapter slot's rank: on the device, where the LoRA kernels read it to skip a slot's padding, and on
+    the host, where a decode step's graph is chosen by its adapters' largest rank (`lora_tuning.rank_width`)."""
+
+    on_device: torch.Tensor  # [slots] int32, written in stream order with the slots' weights
+    on_host: list[int]
+    max_rank: int  # the slots' width
+
+    @classmethod
+    def zeros(cls, num_slots: int, max_rank: int, device: torch.device) -> SlotRanks:
+        return cls(torch.zeros(num_slots, dtype=torch.int32, device=device), [0] * num_slots, max_rank)
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.on_host)
+
+    def largest(self, lora_slots: list[int]) -> int:
+        """The largest rank among these slots (-1: none; 0 when no slot is used)."""
+        host = self.on_host
+        return max((host[slot] for slot in set(lora_slots) if slot >= 0), default=0)
+
+
 @dataclass(frozen=True)
 class ProjectionRegion:
     module: str  # full module name, as in an adapter ("model.layers.0.self_attn.q_proj")

@@ -25,7 +25,7 @@ import torch
 from adapters_registry import LoadedAdapter, ModelInfo, check_adapter, load_adapter
 
 from .adapter_reader import ProcessReader
-from .lora_layout import SlotLayout
+from .lora_layout import SlotLayout, SlotRanks
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
 
@@ -69,9 +69,8 @@ class LoRAManager:
         self.layout = SlotLayout(layers, max_lora_rank)
         self._slots = torch.zeros(max_loras, self.layout.numel, dtype=dtype, device=device)
         self.layout.bind(self._slots, layers)
-        # each slot's adapter rank, read by the kernels on the device (they skip the zero padding past it);
-        # written in stream order with the slot's weights
-        self.slot_ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
+        # each slot's adapter rank: the kernels skip the zero padding past it
+        self.slot_ranks = SlotRanks.zeros(max_loras, max_lora_rank, device)
         self.reads_in_process = read_in_process = _reads_in_process(
             read_in_process, max_cpu_loras * self.layout.numel * dtype.itemsize, max_cpu_loras)
         self._pool = _host_pool(self, max_cpu_loras, self.layout.numel, dtype, pinned=device.type == "cuda",
@@ -342,18 +341,20 @@ class LoRAManager:
         rank = self._row_ranks[row]
         if self._copy_stream is None:
             self._slots[slot].copy_(self._pool[row])
-            self.slot_ranks[slot] = rank
+            self.slot_ranks.on_device[slot] = rank
         else:
             # the slot may still be read by work queued on the compute stream for its last owner
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
                 self._slots[slot].copy_(self._pool[row], non_blocking=True)
-                self.slot_ranks[slot:slot + 1].fill_(rank)  # a kernel: no host buffer for a later write to race
+                # a kernel, with no host buffer that a later write could race
+                self.slot_ranks.on_device[slot:slot + 1].fill_(rank)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             self._pending_loads.append(event)
             self._row_copies[row] = event
         self.slot_owner[slot] = lora_request.lora_int_id
+        self.slot_ranks.on_host[slot] = rank
         self._takeable = None
 
     def _free(self, int_id: int) -> None:

@@ -47,6 +47,7 @@ class LoRALinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(out_sizes)), requires_grad=False) if bias else None
         self.lora_a: list[torch.Tensor] | None = None
         self.lora_b: list[torch.Tensor] | None = None
+        self._narrow: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def forward(self, x: torch.Tensor, lora: LoRAStep | None,
                 out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
@@ -55,20 +56,32 @@ class LoRALinear(nn.Module):
         out: where y goes (a buffer that outlives a CUDA-graph piece), else a new tensor."""
         if lora is None or self.lora_a is None:
             return self._base(x, out), None
+        lora_a, lora_b = self.slot_stacks(lora.rank_width)
         if lora.side_stream is None:
             y = self._base(x, out)
-            h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
+            h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
         else:
             main = torch.cuda.current_stream()
             lora.side_stream.wait_stream(main)
             with torch.cuda.stream(lora.side_stream):
-                h = kernels.lora_shrink_slices(x, self.lora_a, lora.meta)
+                h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
             y = self._base(x, out)
             main.wait_stream(lora.side_stream)
         if self.consumer in lora.fold_into:
-            return y, kernels.LoRADelta(h, tuple(self.lora_b), lora.meta, tiled=self.consumer in lora.tiled_folds)
-        kernels.lora_expand_slices(y, h, self.lora_b, lora.meta)
+            return y, kernels.LoRADelta(h, tuple(lora_b), lora.meta, tiled=self.consumer in lora.tiled_folds)
+        kernels.lora_expand_slices(y, h, lora_b, lora.meta)
         return y, None
+
+    def slot_stacks(self, rank_width: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The A and B slot stacks, or views of their first `rank_width` ranks (made once per width and binding)."""
+        if rank_width is None or rank_width == self.lora_a[0].shape[1]:
+            return self.lora_a, self.lora_b
+        bound, a, b = self._narrow.get(rank_width, (None, None, None))
+        if bound is not self.lora_a:
+            a = [stack[:, :rank_width] for stack in self.lora_a]
+            b = [stack[:, :, :rank_width] for stack in self.lora_b]
+            self._narrow[rank_width] = self.lora_a, a, b
+        return a, b
 
     def _base(self, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         """x W^T + b: the GEMM `linear` runs (addmm with a bias, mm without), into `out` when given."""

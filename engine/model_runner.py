@@ -9,6 +9,7 @@ import kernels
 from kernels import lora_tuning
 from kernels.attention import prefill_uses_triton
 
+from .lora_layout import SlotRanks
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledSequence
 from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
@@ -22,15 +23,14 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, device: torch.device, lora_slot_ranks: torch.Tensor | None = None):
-        """lora_slot_ranks: each adapter slot's rank on the device (`LoRAManager.slot_ranks`), None without
-        adapter slots."""
+                 block_size: int, device: torch.device, lora_slot_ranks: SlotRanks | None = None):
+        """lora_slot_ranks: each adapter slot's rank (`LoRAManager.slot_ranks`), None without adapter slots."""
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.lora_slot_ranks = lora_slot_ranks
-        self.num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.shape[0]
+        self.num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.num_slots
         self.graphs = None
         self.piecewise = None
 
@@ -47,7 +47,7 @@ class ModelRunner:
             num_tokens = len(lora_slots)
             token_slots = (slot for item, slot in zip(scheduled, adapter_slots) for _ in range(item.num_new_tokens))
             lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots,
-                                                          slot_ranks=self.lora_slot_ranks),
+                                                          slot_ranks=self.lora_slot_ranks.on_device),
                             fold_into=lora_tuning.folded_ops(num_tokens),
                             tiled_folds=lora_tuning.tiled_decode_ops(num_tokens, token_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)

@@ -25,6 +25,7 @@ import torch
 import kernels
 from kernels import lora_tuning
 
+from .lora_layout import SlotRanks
 from .model import AttentionInputs, LlamaForCausalLM
 from .step_input import AttentionMetadata, LoRAStep, StepInput
 
@@ -44,11 +45,11 @@ def piecewise_buckets(max_tokens: int) -> list[int]:
 
 class PiecewiseGraphs:
     def __init__(self, model: LlamaForCausalLM, kv_caches, *, max_tokens: int, scratch_slot: int,
-                 lora_slot_ranks: torch.Tensor | None, device: torch.device):
+                 lora_slot_ranks: SlotRanks | None, device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
         self.lora_slot_ranks = lora_slot_ranks  # read by the captured metadata preparation at each replay
-        self.num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.shape[0]
+        self.num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.num_slots
         self.buckets = piecewise_buckets(max_tokens)
         self.padding_row = (0, 0, scratch_slot, -1)  # token id, position, KV slot, adapter slot
         top = self.buckets[-1]
@@ -88,7 +89,7 @@ class PiecewiseGraphs:
             with nullcontext() if capture is None else torch.cuda.graph(capture[index], pool=pool):
                 if index == 0 and step.lora is not None:  # the tokens grouped by adapter, from the static slots
                     kernels.prepare_lora_metadata(self.rows[3, :size], self.num_lora_slots,
-                                                  slot_ranks=self.lora_slot_ranks, out=step.lora.meta)
+                                                  slot_ranks=self.lora_slot_ranks.on_device, out=step.lora.meta)
                 result = self.model.piece(index, step, self.kv_caches, self.attn_out[:size],
                                           None if inputs is None else inputs.residual, self.qkv[:size])
                 if index == self.model.num_pieces - 1:

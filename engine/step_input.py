@@ -38,12 +38,15 @@ class LoRAStep:
     read each row: one launch a projection fewer, and the projection's output is not read and written back.
     tiled_folds: the ops of fold_into that take their tiled variant (B read once per tile of same-slot tokens)
     although the step is on the per-token path (`lora_tuning.tiled_decode_ops`: many rows on few adapters); on
-    the segment path every fold is tiled whatever this holds."""
+    the segment path every fold is tiled whatever this holds. rank_width: the rank width the LoRA ops read the
+    slots at, narrower than the slots when every adapter of the step fits it (`lora_tuning.rank_width`: the
+    launches then take that rank's shapes); None, the slots' whole width."""
 
     meta: LoRAMetadata  # the tokens grouped by adapter slot
     side_stream: torch.cuda.Stream | None = None
     fold_into: frozenset[str] = frozenset()
     tiled_folds: frozenset[str] = frozenset()
+    rank_width: int | None = None
 
 
 @dataclass

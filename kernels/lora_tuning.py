@@ -29,6 +29,11 @@ SGMV_BLOCK_M = 64
 # decode graphs' metadata keeps 16-row tiles at every bucket. H200, Llama-3-8B, rank 16, graph replay of a
 # 512-row decode step: 64 adapters 25.56 -> 24.09 ms, 1 adapter 23.17 -> 22.94 ms against 64-row tiles.
 DECODE_BLOCK_M = 16
+# Slots are as wide as the server's max rank; a decode step whose adapters all fit this narrower width reads views
+# of the slots this wide and takes the rank-16 launch shapes (`rank_width`). H200, Llama-3-8B, rank-16 adapters in
+# rank-64 slots, decode step at batch 64 over 64 adapters: 12.79 ms reading the padding, 9.39 ms skipping it at the
+# slots' width, 7.61 ms in rank-16 slots.
+NARROW_RANK_WIDTH = 16
 # Leave expands to the fused ops that consume the projections (`LoRAStep.fold_into`, `folded_ops`), in decode
 # graphs, eager steps and piecewise mixed steps alike (on the segment path the ops' tiled variants add the
 # deltas). `LORASERVE_LORA_FOLD=1|0` overrides, for measuring both.
@@ -156,6 +161,20 @@ def tiled_decode_ops(num_tokens: int, lora_slots: Iterable[int]) -> frozenset[st
     `tileable_decode_ops` when its rows share few adapters (`shares_few_adapters`); else none."""
     ops = tileable_decode_ops(num_tokens)
     return ops if ops and shares_few_adapters(lora_slots) else frozenset()
+
+
+def narrow_rank_width(max_rank: int) -> int | None:
+    """The rank width, below the slots' `max_rank`, that decode graphs are also captured at: the smallest rank
+    class of the tables (16). Adapters of rank 16 or less in wider slots then take rank-16 launches, not the
+    slots' (None: the slots are that narrow already)."""
+    return NARROW_RANK_WIDTH if max_rank > NARROW_RANK_WIDTH else None
+
+
+def rank_width(largest_rank: int, max_rank: int) -> int | None:
+    """The rank width a decode step whose adapters' largest rank is `largest_rank` reads its slots at
+    (`narrow_rank_width`), or None for the slots' whole `max_rank`."""
+    narrow = narrow_rank_width(max_rank)
+    return narrow if narrow is not None and largest_rank <= narrow else None
 
 
 def shares_few_adapters(lora_slots: Iterable[int]) -> bool:

@@ -106,7 +106,8 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
 
 
 def decode_step(message: Step, device: torch.device, lora_slot_ranks: torch.Tensor | None = None) -> StepInput:
-    """lora_slot_ranks: this worker's slot ranks (`LoRAManager.slot_ranks`), which the LoRA kernels read."""
+    """lora_slot_ranks: this worker's slot ranks on the device (`LoRAManager.slot_ranks.on_device`), which the LoRA
+    kernels read."""
     def tensor(array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(device)
 

@@ -58,7 +58,7 @@ class Worker:
         if isinstance(message, Step):
             if self.lora_manager is not None:
                 self.lora_manager.wait_for_loads()
-            slot_ranks = None if self.lora_manager is None else self.lora_manager.slot_ranks
+            slot_ranks = None if self.lora_manager is None else self.lora_manager.slot_ranks.on_device
             self.model(decode_step(message, self.device, slot_ranks), self._kv_caches(message))
         elif isinstance(message, ComputeLogits):
             hidden = torch.empty(message.num_rows, self.model.config.hidden_size, device=self.device,

@@ -284,7 +284,8 @@ def test_each_slot_carries_the_rank_of_the_adapter_loaded_into_it(tiny_llama, lo
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
               adapter_reader=reader)
     manager = llm.engine.lora_manager
-    assert manager.slot_ranks.tolist() == [0, 0]
+    assert manager.slot_ranks.on_device.tolist() == manager.slot_ranks.on_host == [0, 0]
     for lora, rank in zip(loras, [8, 4, 16]):
         llm.generate([PROMPTS[0]], PARAMS, lora_request=lora, use_tqdm=False)
-        assert manager.slot_ranks[manager.slot_owner.index(lora.lora_int_id)].item() == rank
+        slot = manager.slot_owner.index(lora.lora_int_id)
+        assert manager.slot_ranks.on_device[slot].item() == manager.slot_ranks.on_host[slot] == rank

@@ -91,3 +91,21 @@ def test_a_switch_turned_off_after_capture_keeps_the_tiled_graph_it_captured(mon
     tileable = captured_tiled_folds(BUCKETS, 4)
     monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
     assert graph_key(BUCKETS, 4, 64, [0] * 64, tileable) == GraphKey(64, True, TILED)
+
+
+def test_slots_wider_than_16_capture_every_lora_graph_at_rank_width_16_too():
+    keys = bucket_keys(32, 4, narrow_width=16)
+    assert keys == [GraphKey(32, False), GraphKey(32, True), GraphKey(32, True, rank_width=16),
+                    GraphKey(32, True, TILED), GraphKey(32, True, TILED, 16)]
+
+
+@pytest.mark.parametrize(("largest", "max_rank", "width"),
+                         [(16, 64, 16), (4, 64, 16), (0, 32, 16), (17, 64, None), (64, 64, None), (8, 16, None)])
+def test_a_step_reads_the_slots_at_width_16_when_its_adapters_fit_and_the_slots_are_wider(largest, max_rank, width):
+    assert lora_tuning.rank_width(largest, max_rank) == width
+
+
+def test_a_step_of_narrow_adapters_replays_the_narrow_graph_that_was_captured():
+    step_key = graph_key(BUCKETS, 4, 40, [1] * 40, captured_tiled_folds(BUCKETS, 4), rank_width=16)
+    assert step_key == GraphKey(48, True, TILED, 16)
+    assert step_key in bucket_keys(48, 4, narrow_width=16)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from adapters_registry import load_adapter
-from engine.lora_layout import SlotLayout
+from engine.lora_layout import SlotLayout, SlotRanks
 from tests.engine.conftest import make_engine
 from tests.tiny_models import make_peft_adapter
 
@@ -93,3 +93,11 @@ def test_a_rank_pattern_rows_rank_is_its_largest_module_rank(engine, bound, tmp_
     layout, slots, _ = bound
     path = make_peft_adapter(tiny_llama, tmp_path / "a", r=2, rank_pattern={"o_proj": 6}, seed=23)
     assert layout.write(load_adapter(path, engine.model_info), slots[2]) == 6
+
+
+def test_slot_ranks_give_the_largest_rank_of_the_slots_a_step_uses():
+    ranks = SlotRanks.zeros(4, 32, torch.device("cpu"))
+    ranks.on_host[:] = [8, 32, 0, 16]
+    assert ranks.largest([0, -1, 3, 0]) == 16
+    assert ranks.largest([-1, -1]) == 0
+    assert ranks.largest([1, 0]) == 32

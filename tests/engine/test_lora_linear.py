@@ -52,3 +52,27 @@ def test_a_projection_hands_the_steps_tiled_choice_to_its_delta():
     _, tiled = linear(x, LoRAStep(kernels.prepare_lora_metadata(SLOTS, 2), fold_into=fold, tiled_folds=fold))
     _, per_token = linear(x, _step(fold))
     assert tiled.tiled and not per_token.tiled
+
+
+def test_a_step_at_a_narrower_rank_width_reads_views_of_the_slots_first_ranks_only():
+    """Slots 4 wide whose adapters use 2 ranks, NaN past them: a step at rank width 2 gives what the full slots give
+    with zero padding."""
+    linear, x = _gate_up(), torch.randn(4, 8)
+    for a, b in zip(linear.lora_a, linear.lora_b):
+        a[:, 2:] = 0
+        b[:, :, 2:] = 0
+    clean, _ = linear(x, _step(frozenset()))
+    for a, b in zip(linear.lora_a, linear.lora_b):
+        a[:, 2:] = float("nan")
+        b[:, :, 2:] = float("nan")
+    narrow, _ = linear(x, LoRAStep(kernels.prepare_lora_metadata(SLOTS, 2), rank_width=2))
+    torch.testing.assert_close(narrow, clean)
+
+
+def test_the_narrow_views_are_made_once_per_binding_of_the_slots():
+    linear = _gate_up()
+    first = linear.slot_stacks(2)
+    assert linear.slot_stacks(2)[0] is first[0]
+    linear.lora_a = [a.clone() for a in linear.lora_a]
+    assert linear.slot_stacks(2)[0] is not first[0]
+    assert linear.slot_stacks(None)[0] is linear.lora_a and linear.slot_stacks(4)[0] is linear.lora_a

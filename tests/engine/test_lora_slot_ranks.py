@@ -15,6 +15,7 @@ import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.lora_layout import SlotLayout
+from tests.engine.recording_graph import record_replays
 from tests.fresh_interpreter import run_pytest_interpreted, triton_interpreted_here
 from tests.kernels.lora_cases import b_columns_read
 from tests.tiny_models import make_peft_adapter
@@ -58,8 +59,9 @@ def _tokens(llm: LLM, adapters: list[LoRARequest]) -> list[list[int]]:
 
 
 def _llm(model_dir: Path, **kwargs) -> LLM:
-    return LLM(str(model_dir), dtype="float32", device=DEVICE, enable_lora=True, max_loras=3, max_lora_rank=MAX_RANK,
-               adapter_reader="threads", **kwargs)
+    kwargs = dict(max_lora_rank=MAX_RANK) | kwargs
+    return LLM(str(model_dir), dtype="float32", device=DEVICE, enable_lora=True, max_loras=3, adapter_reader="threads",
+               **kwargs)
 
 
 @pytest.mark.skipif(not TRITON_HERE, reason="runs in a fresh interpreter (test_in_a_fresh_interpreter)")
@@ -70,7 +72,7 @@ def test_poisoned_padding_past_each_slots_rank_changes_no_token_of_eager_steps(t
     monkeypatch.setattr(SlotLayout, "write", _poisoning_padding(SlotLayout.write))
     llm = _llm(tiny_llama, enforce_eager=True)
     assert _tokens(llm, adapters) == clean
-    assert sorted(llm.engine.lora_manager.slot_ranks.tolist()) == [4, 5, 8]
+    assert sorted(llm.engine.lora_manager.slot_ranks.on_device.tolist()) == [4, 5, 8]
 
 
 @pytest.mark.gpu
@@ -79,6 +81,26 @@ def test_decode_graphs_read_the_ranks_of_adapters_loaded_after_capture(tiny_llam
     clean = _tokens(_llm(tiny_llama, enforce_eager=True), adapters)
     monkeypatch.setattr(SlotLayout, "write", _poisoning_padding(SlotLayout.write))
     assert _tokens(_llm(tiny_llama), adapters) == clean
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_decode_steps_of_adapters_that_fit_rank_16_replay_the_graphs_that_read_16_ranks_of_wider_slots(
+        tiny_llama, adapters, tmp_path, monkeypatch):
+    """Slots of rank 32: steps on ranks 4, 8 and 5 replay the rank-16 graphs and give the eager steps' tokens
+    (NaN past the columns the kernels read); a step with a rank-20 adapter replays a graph of the whole width."""
+    wide = LoRARequest("r20", 9, str(make_peft_adapter(tiny_llama, tmp_path / "r20", r=20, lora_alpha=40, seed=49)))
+    kwargs = dict(max_lora_rank=32)
+    clean = _tokens(_llm(tiny_llama, enforce_eager=True, **kwargs), adapters)
+    clean_wide = _tokens(_llm(tiny_llama, enforce_eager=True, **kwargs), [adapters[0], wide, adapters[2]])
+    monkeypatch.setattr(SlotLayout, "write", _poisoning_padding(SlotLayout.write))
+    llm = _llm(tiny_llama, **kwargs)
+    replayed = record_replays(llm)
+    assert _tokens(llm, adapters) == clean
+    assert {key.rank_width for key in replayed if key.with_lora} == {16}
+    replayed.clear()
+    assert _tokens(llm, [adapters[0], wide, adapters[2]]) == clean_wide
+    assert {key.rank_width for key in replayed if key.with_lora} == {None}
 
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
