@@ -88,7 +88,8 @@ def test_decode_graphs_read_the_ranks_of_adapters_loaded_after_capture(tiny_llam
 def test_decode_steps_of_adapters_that_fit_rank_16_replay_the_graphs_that_read_16_ranks_of_wider_slots(
         tiny_llama, adapters, tmp_path, monkeypatch):
     """Slots of rank 32: steps on ranks 4, 8 and 5 replay the rank-16 graphs and give the eager steps' tokens
-    (NaN past the columns the kernels read); a step with a rank-20 adapter replays a graph of the whole width."""
+    (NaN past the columns the kernels read); steps with a rank-20 adapter replay graphs of the whole width (its
+    requests wait for its read, so the other rows may decode without it first)."""
     wide = LoRARequest("r20", 9, str(make_peft_adapter(tiny_llama, tmp_path / "r20", r=20, lora_alpha=40, seed=49)))
     kwargs = dict(max_lora_rank=32)
     clean = _tokens(_llm(tiny_llama, enforce_eager=True, **kwargs), adapters)
@@ -100,7 +101,7 @@ def test_decode_steps_of_adapters_that_fit_rank_16_replay_the_graphs_that_read_1
     assert {key.rank_width for key in replayed if key.with_lora} == {16}
     replayed.clear()
     assert _tokens(llm, [adapters[0], wide, adapters[2]]) == clean_wide
-    assert {key.rank_width for key in replayed if key.with_lora} == {None}
+    assert None in {key.rank_width for key in replayed if key.with_lora}
 
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
