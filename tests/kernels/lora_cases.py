@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import pytest
@@ -290,3 +291,24 @@ def record_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, *names: str) -> li
     for name in names:
         monkeypatch.setattr(owner, name, _Recorder(getattr(owner, name), name, calls))
     return calls
+
+
+# (path, rank block, split K): small launches of each Triton shrink and expand, by test id
+KERNEL_PATHS = {"bgmv": ("bgmv", 4, 1), "bgmv_split_k": ("bgmv", 4, 2), "sgmv": ("sgmv", 16, 1),
+                "sgmv_split_k": ("sgmv", 16, 3)}
+
+
+def kernel_paths(*ids: str) -> list:
+    """pytest params of (shrink, expand): the Triton launches of `KERNEL_PATHS[id]`, with small explicit configs
+    (the expand splits its columns as the shrink splits K)."""
+    from kernels import lora_triton
+    from kernels.lora_tuning import ExpandConfig, ShrinkConfig
+
+    def launches(path: str, block_r: int, split_k: int) -> tuple:
+        return (partial(lora_triton.shrink_slices, path=path,
+                        config=ShrinkConfig(block_r=block_r, block_k=16, split_k=split_k, num_warps=4, num_stages=1)),
+                partial(lora_triton.expand_slices, path=path,
+                        config=ExpandConfig(block_n=16, block_r=block_r, num_warps=4, num_stages=1,
+                                            n_blocks=split_k)))
+
+    return [pytest.param(launches(*KERNEL_PATHS[i]), id=i) for i in ids]

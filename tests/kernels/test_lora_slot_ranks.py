@@ -11,17 +11,16 @@ slot's padding.
 from __future__ import annotations
 
 import random
-from functools import partial
 
 import pytest
 import torch
 
-from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from tests.kernels.lora_cases import (
     RotaryCase,
     b_columns_read,
     expand_reference,
     fill_past_ranks_,
+    kernel_paths,
     random_weights,
     ranked_deltas,
     ranked_metadata,
@@ -47,21 +46,7 @@ WIDTHS = (40, 24, 13)
 TOLERANCE = 5e-3 if DEVICE == "cuda" else 1e-5
 
 
-def _paths():
-    from kernels import lora_triton
-
-    def impl(path: str, block_r: int, split_k: int):
-        return (partial(lora_triton.shrink_slices, path=path,
-                        config=ShrinkConfig(block_r=block_r, block_k=16, split_k=split_k, num_warps=4, num_stages=1)),
-                partial(lora_triton.expand_slices, path=path,
-                        config=ExpandConfig(block_n=16, block_r=block_r, num_warps=4, num_stages=1,
-                                            n_blocks=split_k)))
-
-    return [pytest.param(impl("bgmv", 4, 1), id="bgmv"), pytest.param(impl("bgmv", 4, 2), id="bgmv_split_k"),
-            pytest.param(impl("sgmv", 16, 1), id="sgmv"), pytest.param(impl("sgmv", 16, 3), id="sgmv_split_k")]
-
-
-@pytest.fixture(params=_paths())
+@pytest.fixture(params=kernel_paths("bgmv", "bgmv_split_k", "sgmv", "sgmv_split_k"))
 def impl(request):
     return request.param
 

@@ -14,18 +14,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from functools import partial
 
 import pytest
 import torch
 
 from kernels import LoRADelta, fused_torch, lora_torch
-from kernels.lora_tuning import ExpandConfig, ShrinkConfig
 from tests.kernels.lora_cases import (
     RotaryCase,
     exact_delta,
     expand_reference,
     fill_past_ranks_,
+    kernel_paths,
     packed_weights,
     random_weights,
     ranked_metadata,
@@ -147,20 +146,7 @@ def test_a_delta_of_width_views_has_the_views_rank_and_fits_h_of_that_width():
 # shrink and expand
 
 
-def _paths():
-    from kernels import lora_triton
-
-    def impl(path: str, block_r: int, split_k: int):
-        return (partial(lora_triton.shrink_slices, path=path,
-                        config=ShrinkConfig(block_r=block_r, block_k=16, split_k=split_k, num_warps=4, num_stages=1)),
-                partial(lora_triton.expand_slices, path=path,
-                        config=ExpandConfig(block_n=16, block_r=block_r, num_warps=4, num_stages=1,
-                                            n_blocks=split_k)))
-
-    return [pytest.param(impl("bgmv", 4, 2), id="bgmv"), pytest.param(impl("sgmv", 16, 3), id="sgmv")]
-
-
-@pytest.fixture(params=_paths() if triton_runs_in_process() else [])
+@pytest.fixture(params=kernel_paths("bgmv_split_k", "sgmv_split_k") if triton_runs_in_process() else [])
 def impl(request):
     return request.param
 
