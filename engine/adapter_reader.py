@@ -217,8 +217,7 @@ def _main_module_hidden():
 def _serve(pool: torch.Tensor, layout: SlotLayout, model_info: ModelInfo, allow_pickle: bool,
            jobs, results) -> None:
     """A child's loop: one read at a time, each answered with (job, the row's rank, None) or (job, None, the
-    error). Ctrl-C is
-    the parent's to handle: the parent closes the reader as it shuts down."""
+    error). Ctrl-C is the parent's to handle: the parent closes the reader as it shuts down."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     results.put("ready")

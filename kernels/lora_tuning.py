@@ -32,7 +32,7 @@ DECODE_BLOCK_M = 16
 # Slots are as wide as the server's max rank; a decode step whose adapters all fit this narrower width reads views
 # of the slots this wide and takes the rank-16 launch shapes (`rank_width`). H200, Llama-3-8B, rank-16 adapters in
 # rank-64 slots, decode step at batch 64 over 64 adapters: 12.79 ms reading the padding, 9.39 ms skipping it at the
-# slots' width, 7.61 ms in rank-16 slots.
+# slots' width, 8.47 ms at this width (7.61 ms in rank-16 slots).
 NARROW_RANK_WIDTH = 16
 # Leave expands to the fused ops that consume the projections (`LoRAStep.fold_into`, `folded_ops`), in decode
 # graphs, eager steps and piecewise mixed steps alike (on the segment path the ops' tiled variants add the
