@@ -45,17 +45,26 @@ def main() -> None:
                         help="write each row's kernels by GPU time (one engine step) to DIR/profile_*.txt")
     parser.add_argument("--freeze-heap", action="store_true",
                         help="freeze each engine's start-up heap out of the collector's reach, as the server does")
+    parser.add_argument("--shared-segments-from", type=int,
+                        help="decode graphs from this many rows run the LoRA kernels in segments when the rows share "
+                             "few adapters, at every rank (lora_tuning.SHARED_SEGMENT_MIN_TOKENS otherwise; "
+                             "LORASERVE_LORA_SHARED_SEGMENTS=0 turns them off)")
     args = parser.parse_args()
+    if args.shared_segments_from is not None:
+        lora_tuning.SHARED_SEGMENT_MIN_TOKENS = dict.fromkeys(lora_tuning.SHARED_SEGMENT_MIN_TOKENS,
+                                                              args.shared_segments_from)
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
     args.out.mkdir(parents=True, exist_ok=True)
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(Path(args.work), args.shape)
     rank_suffix = "" if args.adapter_rank == 16 else f"-r{args.adapter_rank}"
-    paths = make_adapters(Path(args.work) / f"adapters-{args.shape}{rank_suffix}", model_dir, args.shape, 64, 16,
-                          rank=args.adapter_rank)
+    count = max(args.adapters)
+    paths = make_adapters(Path(args.work) / f"adapters-{args.shape}{rank_suffix}", model_dir, args.shape, count,
+                          min(count, 16), rank=args.adapter_rank)
     bandwidth = measure_bandwidth("cuda")
     results: dict = {"bandwidth_tbs": bandwidth / 1e12, "decode_tiles": lora_tuning.decode_tiles(),
+                     "shared_segment_min_tokens": lora_tuning.SHARED_SEGMENT_MIN_TOKENS,
                      "adapter_rank": args.adapter_rank, "max_lora_rank": args.max_lora_rank, "rows": []}
 
     def measure(label: str, engine, loras_for) -> None:
@@ -76,7 +85,8 @@ def main() -> None:
             print(f"{label:12} b{batch:<4} wall {row['step_wall_ms']:.2f} ms  graph {row['graph_replay_ms']:.2f}  "
                   f"head+greedy {row['lm_head_and_greedy_ms']:.2f}  host waits {row['host_wait_ms']:.2f}  "
                   f"floor {row['floor_ms']:.2f}  x{row['over_floor']:.3f}  tiled {','.join(row['tiled_folds']) or '-'}  "
-                  f"rank width {row['rank_width'] or '-'}  ({time.perf_counter() - t:.0f} s)", flush=True)
+                  f"rank width {row['rank_width'] or '-'}  {'segments' if row['segments'] else 'per token'}  "
+                  f"({time.perf_counter() - t:.0f} s)", flush=True)
             (args.out / "decode_step.json").write_text(json.dumps(results, indent=1))
 
     if "base" in args.cases:
@@ -87,7 +97,7 @@ def main() -> None:
     if "lora" in args.cases:
         engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
                               max_cpu_loras=64)
-        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
         for request in requests:
             engine.lora_manager.add(request)
         for count in args.adapters:  # 0: base-model rows on the LoRA engine

@@ -340,7 +340,9 @@ class Bench:
         return self.base_cache[tokens]
 
     def scenario(self, sc: Scenario) -> Result:
-        path = lora_tuning.choose_path(sc.tokens)
+        # the path the engine's step would take (tokens spread evenly over the adapters; the slots' width)
+        slots = [t % sc.adapters for t in range(sc.tokens)]
+        path = lora_tuning.step_path(sc.tokens, self.slot_rank_for(sc.rank), slots)
         res = Result(self.label(sc), sc.kind, sc.rank, sc.tokens, sc.adapters, path, self.slot_rank_for(sc.rank),
                      self.ranks_given)
         try:

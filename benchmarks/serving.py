@@ -37,6 +37,7 @@ from engine.gc_heap import freeze_startup_heap  # noqa: E402
 from engine.lora_manager import LoRAManager  # noqa: E402
 from engine.sampler import PendingTokens  # noqa: E402
 from engine.scheduler import ADMISSION_ORDERS  # noqa: E402
+from kernels import lora_tuning  # noqa: E402
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = {
@@ -300,7 +301,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
     if profile_to is not None:  # two more steps of the same batch: the graph replay as serving runs it
         profile_to.write_text(f"decode step, batch {batch_size}\n{_kernel_table(engine.step)}")
     engine.drain()  # the running sequences' last tokens are real again (async scheduling leaves one in flight)
-    # the graph the steps replayed: it depends on the rows' adapter slots (`lora_tuning.tiled_decode_ops`)
+    # the graph the steps replayed: it depends on the rows' adapter slots (`cuda_graphs.graph_key`)
     slots = [engine.lora_manager.slot_for(lora) if engine.lora_manager else -1 for lora in loras]
     for request_id in list(engine.requests):
         engine.abort(request_id)
@@ -328,6 +329,7 @@ def decode_step_profile(engine: LLMEngine, batch_size: int, context: int, loras:
 
     graph_ms, step_ms = gpu_ms(graphs.graphs[key].replay), gpu_ms(full_step)
     return dict(batch=batch_size, context=context, tiled_folds=sorted(key.tiled_folds), rank_width=key.rank_width,
+                segments=key.segments or lora_tuning.choose_path(key.bucket) == "sgmv",
                 step_wall_ms=wall_ms, graph_replay_ms=graph_ms,
                 lm_head_and_greedy_ms=step_ms - graph_ms, gpu_idle_fraction=max(0.0, 1 - step_ms / wall_ms),
                 host_wait_ms=1e3 * sum(waits) / steps)

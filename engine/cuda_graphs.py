@@ -8,10 +8,10 @@ each bucket is captured twice, with the LoRA work and without it, and a step in 
 adapter replays the second (vLLM's `cudagraph_specialize_lora`): base-model traffic on a LoRA server
 does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink
 beside its base matmul; each expand is left to the fused op after it where `lora_tuning.folded_ops` says
-(`LORASERVE_LORA_FOLD=0` turns that off). Buckets where some fold can take the fused op's tiled variant
-(`lora_tuning.tileable_decode_ops`: from 32 rows) are captured a third time with it, and a step whose rows
-share few adapters replays that one (`lora_tuning.tiled_decode_ops`, chosen on the host from the step's
-slots; `LORASERVE_LORA_DECODE_TILES=0` turns it off). Buckets of CUBLASLT_TOKENS are captured with cuBLASLt
+(`LORASERVE_LORA_FOLD=0` turns that off). A step whose rows share few adapters replays a third graph where its
+bucket has one (`shared_adapters_key`): with the LoRA kernels in segments (`lora_tuning.shared_segments`: at rank
+64 from 32 rows, at rank 32 from 64), else with the fused ops' tiled variants (`lora_tuning.tileable_decode_ops`: from 32
+rows; `LORASERVE_LORA_DECODE_TILES=0` turns it off). Buckets of CUBLASLT_TOKENS are captured with cuBLASLt
 preferred.
 """
 from __future__ import annotations
@@ -64,47 +64,63 @@ def smallest_bucket(buckets: list[int], batch: int) -> int:
 
 class GraphKey(NamedTuple):
     """Which decode graph: its bucket, whether it does the LoRA work, the LoRA folds it hands to the fused
-    ops' tiled variants (`LoRAStep.tiled_folds`), and the rank width it reads the slots at (`LoRAStep.rank_width`;
-    None: the slots' whole width)."""
+    ops' tiled variants (`LoRAStep.tiled_folds`), the rank width it reads the slots at (`LoRAStep.rank_width`;
+    None: the slots' whole width), and whether its LoRA kernels run in segments (`LoRAMetadata.in_segments`)."""
 
     bucket: int
     with_lora: bool
     tiled_folds: frozenset[str] = frozenset()
     rank_width: int | None = None
+    segments: bool = False
 
 
-def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],
-              tileable: Mapping[int, frozenset[str]], rank_width: int | None = None) -> GraphKey:
-    """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
-    bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
-    uses one), when the rows share few adapters (`lora_tuning.shares_few_adapters`), the folds that bucket
-    was captured tiled with (`tileable`, from `captured_tiled_folds`: a switch changed since capture cannot
-    name a graph that does not exist), and the rank width of the step's adapters (`lora_tuning.rank_width`)."""
-    bucket = smallest_bucket(buckets, batch)
-    if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
-        return GraphKey(bucket, False)
-    ops = tileable[bucket]
-    return GraphKey(bucket, True, ops if ops and lora_tuning.shares_few_adapters(lora_slots) else frozenset(),
-                    rank_width)
+def shared_adapters_key(bucket: int, max_rank: int, rank_width: int | None) -> GraphKey | None:
+    """The graph a bucket's steps replay when their rows share few adapters (`lora_tuning.shares_few_adapters`), at
+    this rank width (None: the slots' whole `max_rank`): with the LoRA kernels in segments where
+    `lora_tuning.shared_segments` says, else with the tiled folds where `lora_tuning.tileable_decode_ops` says; None
+    where neither does (those steps replay the bucket's plain LoRA graph)."""
+    if lora_tuning.shared_segments(bucket, rank_width or max_rank):
+        return GraphKey(bucket, True, rank_width=rank_width, segments=True)
+    tiled = lora_tuning.tileable_decode_ops(bucket)
+    return GraphKey(bucket, True, tiled, rank_width) if tiled else None
 
 
-def bucket_keys(bucket: int, num_lora_slots: int, narrow_width: int | None = None) -> list[GraphKey]:
-    """The graphs captured for a bucket: without the LoRA work; with adapter slots also with it, and with it
-    and the tiled folds where a step of that size can take them (`lora_tuning.tileable_decode_ops`); each LoRA
-    graph at the slots' whole width and, given one, at a narrower rank width (`lora_tuning.narrow_rank_width`)."""
+def bucket_keys(bucket: int, num_lora_slots: int, max_rank: int) -> list[GraphKey]:
+    """The graphs captured for a bucket: without the LoRA work; with adapter slots (of rank `max_rank`) also with
+    it, at the slots' whole width and at a narrower rank width where there is one (`lora_tuning.narrow_rank_width`),
+    then each width's graph for rows that share few adapters, where there is one (`shared_adapters_key`)."""
     keys = [GraphKey(bucket, False)]
     if num_lora_slots:
-        tileable = lora_tuning.tileable_decode_ops(bucket)
-        widths = [None] if narrow_width is None else [None, narrow_width]
-        for tiled in [frozenset(), tileable] if tileable else [frozenset()]:
-            keys += [GraphKey(bucket, True, tiled, width) for width in widths]
+        widths = [None, lora_tuning.narrow_rank_width(max_rank)]
+        widths = widths[:1] if widths[1] is None else widths
+        keys += [GraphKey(bucket, True, rank_width=width) for width in widths]
+        shared = (shared_adapters_key(bucket, max_rank, width) for width in widths)
+        keys += [key for key in shared if key is not None]
     return keys
 
 
-def captured_tiled_folds(buckets: list[int], num_lora_slots: int) -> dict[int, frozenset[str]]:
-    """The folds each bucket's graphs are captured tiled with (`bucket_keys`, whose tiled graphs come last where
-    there are some), as the switches say now: read once, at capture."""
-    return {bucket: bucket_keys(bucket, num_lora_slots)[-1].tiled_folds for bucket in buckets}
+def captured_shared_keys(buckets: list[int], num_lora_slots: int,
+                         max_rank: int) -> dict[tuple[int, int | None], GraphKey]:
+    """The graph of each bucket and rank width for rows that share few adapters (`bucket_keys`), as the switches say
+    now: read once, at capture, so that a switch changed since cannot name a graph that does not exist."""
+    return {(key.bucket, key.rank_width): key for bucket in buckets
+            for key in bucket_keys(bucket, num_lora_slots, max_rank) if key.segments or key.tiled_folds}
+
+
+def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],
+              shared: Mapping[tuple[int, int | None], GraphKey], rank_width: int | None = None) -> GraphKey:
+    """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
+    bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
+    uses one), at the rank width of the step's adapters (`lora_tuning.rank_width`); when the rows share few
+    adapters (`lora_tuning.shares_few_adapters`), the bucket's graph for them where one was captured (`shared`, from
+    `captured_shared_keys`)."""
+    bucket = smallest_bucket(buckets, batch)
+    if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
+        return GraphKey(bucket, False)
+    key = shared.get((bucket, rank_width))
+    if key is not None and lora_tuning.shares_few_adapters(lora_slots):
+        return key
+    return GraphKey(bucket, True, rank_width=rank_width)
 
 
 class StagedBlockTables:
@@ -140,7 +156,8 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         self.lora_slot_ranks = lora_slot_ranks  # read by the captured metadata preparation at each replay
         self.num_lora_slots = num_lora_slots = 0 if lora_slot_ranks is None else lora_slot_ranks.num_slots
-        self.narrow_width = None if lora_slot_ranks is None else lora_tuning.narrow_rank_width(lora_slot_ranks.max_rank)
+        self.max_rank = 0 if lora_slot_ranks is None else lora_slot_ranks.max_rank
+        self.narrow_width = lora_tuning.narrow_rank_width(self.max_rank) if num_lora_slots else None
         self.buckets = default_buckets(max_num_seqs)
         top = self.buckets[-1]
         # one row per per-token input (token id, position, KV slot, context length, adapter slot, and
@@ -163,7 +180,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
-        self.tileable = captured_tiled_folds(self.buckets, num_lora_slots)
+        self.shared_keys = captured_shared_keys(self.buckets, num_lora_slots, self.max_rank)
         self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
         self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots else None
         self._capture_all()
@@ -177,12 +194,13 @@ class DecodeGraphs:
         )
         lora = None
         if key.with_lora:
+            meta = self.lora_meta[size].in_segments() if key.segments else self.lora_meta[size]
             # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
             # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV, the path 128 took
             # then) 10.93 against 10.79
-            per_token = lora_tuning.choose_path(size) == "bgmv"
-            lora = LoRAStep(self.lora_meta[size], self.lora_side_stream if per_token else None,
-                            fold_into=lora_tuning.folded_ops(size), tiled_folds=key.tiled_folds,
+            per_token = meta.path == "bgmv"
+            lora = LoRAStep(meta, self.lora_side_stream if per_token else None,
+                            fold_into=lora_tuning.folded_ops(meta.path), tiled_folds=key.tiled_folds,
                             rank_width=key.rank_width)
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
@@ -192,7 +210,7 @@ class DecodeGraphs:
             if self.num_lora_slots:
                 self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, self.input_ids.device,
                                                                   block_m=lora_tuning.DECODE_BLOCK_M)
-            for key in reversed(bucket_keys(size, self.num_lora_slots, self.narrow_width)):
+            for key in reversed(bucket_keys(size, self.num_lora_slots, self.max_rank)):
                 self._capture(key, pool)
         torch.cuda.synchronize()
 
@@ -201,33 +219,33 @@ class DecodeGraphs:
         step = self._step_input(key)
         with torch.inference_mode(), preferred_blas_for(size):
             if with_lora:
-                self._prepare_lora(size)
+                self._prepare_lora(step.lora.meta)
             self.model(step, self.kv_caches)  # warm-up: compiles kernels outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 if with_lora:
-                    self._prepare_lora(size)
+                    self._prepare_lora(step.lora.meta)
                 self.outputs[key] = self.model(step, self.kv_caches)
         self.graphs[key] = graph
 
-    def _prepare_lora(self, size: int) -> None:
-        """Groups the tokens by adapter slot from the static slot buffer; captured in the graph, so a
-        replay does it without host work."""
-        kernels.prepare_lora_metadata(self.lora_slots[:size], self.num_lora_slots,
-                                      slot_ranks=self.lora_slot_ranks.on_device, out=self.lora_meta[size])
+    def _prepare_lora(self, meta: kernels.LoRAMetadata) -> None:
+        """Groups the tokens by adapter slot from the static slot buffer into the bucket's buffers (`meta`'s);
+        captured in the graph, so a replay does it without host work."""
+        kernels.prepare_lora_metadata(self.lora_slots[:meta.capacity], self.num_lora_slots,
+                                      slot_ranks=self.lora_slot_ranks.on_device, out=meta)
 
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
     def key(self, batch: int, lora_slots: list[int]) -> GraphKey:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, whether it does the
-        LoRA work (some row uses an adapter), the folds it hands to the tiled variants and its rank width
-        (`graph_key`)."""
+        LoRA work (some row uses an adapter), its rank width, and whether it is the graph for rows that share few
+        adapters (`graph_key`)."""
         width = None
         if self.narrow_width is not None:
             width = lora_tuning.rank_width(self.lora_slot_ranks.largest(lora_slots), self.lora_slot_ranks.max_rank)
-        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.tileable, width)
+        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.shared_keys, width)
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:

@@ -35,8 +35,9 @@ class ModelRunner:
         self.piecewise = None
 
     def build_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int]) -> StepInput:
-        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model). The step's folds take the
-        fused ops' tiled variants where `lora_tuning.tiled_decode_ops` says, from its rows' slots.
+        """adapter_slots: the LoRA slot of each scheduled sequence (-1 = base model). From its rows' slots, the step
+        runs the LoRA kernels in segments where `lora_tuning.step_path` says, and its folds take the fused ops'
+        tiled variants where `lora_tuning.tiled_decode_ops` says.
 
         Sequences with one new token should come first: they share one batched decode attention.
         """
@@ -45,10 +46,12 @@ class ModelRunner:
         lora = None
         if any(s >= 0 for s in adapter_slots):
             num_tokens = len(lora_slots)
-            token_slots = (slot for item, slot in zip(scheduled, adapter_slots) for _ in range(item.num_new_tokens))
-            lora = LoRAStep(kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots,
-                                                          slot_ranks=self.lora_slot_ranks.on_device),
-                            fold_into=lora_tuning.folded_ops(num_tokens),
+            token_slots = [slot for item, slot in zip(scheduled, adapter_slots) for _ in range(item.num_new_tokens)]
+            meta = kernels.prepare_lora_metadata(lora_slots, self.num_lora_slots,
+                                                 slot_ranks=self.lora_slot_ranks.on_device)
+            if lora_tuning.step_path(num_tokens, self.lora_slot_ranks.max_rank, token_slots) != meta.path:
+                meta = meta.in_segments()
+            lora = LoRAStep(meta, fold_into=lora_tuning.folded_ops(meta.path),
                             tiled_folds=lora_tuning.tiled_decode_ops(num_tokens, token_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 

@@ -73,7 +73,7 @@ class PiecewiseGraphs:
         lora = None
         if self.num_lora_slots:
             self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
-            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(size))
+            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(lora_tuning.choose_path(size)))
         # the pieces read only the KV slots; attention, which reads the rest, runs outside them
         attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),
                                       context_lens=slots.new_empty(0), query_lens=[], context_lens_list=[],

@@ -8,9 +8,9 @@ program reads the h row and the B[slot] rows of the columns it produces (below t
 padding) and adds the delta, rounded once, before the op's own math (tokens of slot -1 read no B). The B
 tiles are [columns, rank block], so the LoRA variants walk their columns in chunks (`LORA_CONFIGS`); without a
 delta (`HAS_LORA` false) each kernel compiles to the code it had before. That suits decode-sized steps; on steps
-the LoRA kernels run in segments (`lora_tuning.choose_path`, prefill sizes) a delta goes to the tiled variants of
-`fused_lora_tiles_triton`, which read B once per tile of same-slot tokens, and so does a delta the step marked
-`tiled` (per-token steps whose rows share few adapters, `lora_tuning.tiled_decode_ops`).
+the LoRA kernels run in segments (`LoRAMetadata.path`: prefill sizes, or as the step chose) a delta goes to the
+tiled variants of `fused_lora_tiles_triton`, which read B once per tile of same-slot tokens, and so does a delta
+the step marked `tiled` (per-token steps whose rows share few adapters, `lora_tuning.tiled_decode_ops`).
 """
 from __future__ import annotations
 
@@ -73,9 +73,9 @@ def _lora_args(lora: LoRADelta | None, num_slices: int, placeholder: torch.Tenso
 
 def _tiled(lora: LoRADelta) -> bool:
     """Whether a delta goes to the tiled variants: as its step chose (`LoRADelta.tiled`), and always on steps the
-    LoRA kernels run in segments (`choose_path`), where reading B once per token would cost more than the fold
+    LoRA kernels run in segments (`LoRAMetadata.path`), where reading B once per token would cost more than the fold
     saves."""
-    return lora.tiled or lora_tuning.choose_path(lora.meta.num_tokens) == "sgmv"
+    return lora.tiled or lora.meta.path == "sgmv"
 
 
 def _block_r(lora: LoRADelta | None, config: LoRAOpConfig) -> int:

@@ -8,7 +8,7 @@ captured over the layers then stays valid when the next step's slots are written
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -36,6 +36,9 @@ class LoRAMetadata:
     tile's slot rank (0 for base tokens) beside `slots` and `tile_slot`, so a kernel loads it with the slot,
     not after it. A slot whose rank is not given counts as UNKNOWN_RANK: every row is read (kernels take
     the smaller of it and the max rank).
+
+    The kernels take the path `path` names: by the token count, or in segments whatever the count when the step
+    chose them (`segments`, `in_segments`; `lora_tuning.step_path`).
     """
 
     num_tokens: int
@@ -49,6 +52,7 @@ class LoRAMetadata:
     tile_len: torch.Tensor  # [max_tiles(capacity)] int32
     token_rank: torch.Tensor  # [capacity] int32, the rank of each token's slot, 0 for base tokens
     tile_rank: torch.Tensor  # [max_tiles(capacity)] int32, the rank of each tile's slot, 0 for base or unused tiles
+    segments: bool = False
 
     @classmethod
     def empty(
@@ -71,6 +75,16 @@ class LoRAMetadata:
     @property
     def device(self) -> torch.device:
         return self.slots.device
+
+    @property
+    def path(self) -> str:
+        """The path the LoRA kernels take: "sgmv" when the step chose segments, else `lora_tuning.choose_path`'s."""
+        return "sgmv" if self.segments else lora_tuning.choose_path(self.num_tokens)
+
+    def in_segments(self) -> LoRAMetadata:
+        """The same buffers, read by the kernels in segments whatever the token count: a step whose rows share few
+        adapters (`lora_tuning.step_path`). Preparing either fills both."""
+        return replace(self, segments=True)
 
     @property
     def num_tiles(self) -> int:

@@ -1,9 +1,11 @@
 """Triton multi-LoRA kernels: shrink `h = x @ A[slot]^T` and expand `y += h @ B[slot]^T`.
 
-Two paths per op, picked by batch size (`lora_tuning.choose_path`):
+Two paths per op, as the metadata says (`LoRAMetadata.path`: by batch size, `lora_tuning.choose_path`, or in
+segments where the step chose them, `lora_tuning.step_path`):
 - BGMV, one program per token: decode, where most tokens carry distinct adapters.
 - SGMV, one program per tile of same-slot tokens (from `LoRAMetadata`), a tensor-core dot
-  per tile: prefill and large batches, where a tile reads its adapter once for many rows.
+  per tile: prefill and large batches, and decode steps whose rows share few adapters of rank above 16, where a
+  tile reads its adapter once for many rows.
 Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
 on shapes only and every launch reads its indices from device tensors, so the calls can be
 captured in a CUDA graph. h is float32; accumulation is float32.
@@ -365,7 +367,7 @@ def shrink_slices(
         out = torch.empty(n, rows, rank, dtype=torch.float32, device=x.device)[:, :num_tokens]
     if num_tokens == 0:
         return out
-    path = path or lora_tuning.choose_path(num_tokens)
+    path = path or meta.path
     cfg = config or lora_tuning.shrink_config(path, meta.block_m, rank, n)
     min_block = 16 if path == "sgmv" else 1
     block_r = max(min_block, min(cfg.block_r, _pow2(rank)))
@@ -415,7 +417,7 @@ def expand_slices(
     stride_bn = row_stride(b_slices)
     if h.stride(2) != 1:
         h = h.contiguous()
-    path = path or lora_tuning.choose_path(num_tokens)
+    path = path or meta.path
     cfg = config or lora_tuning.expand_config(path, meta.block_m, rank)
     min_block = 16 if path == "sgmv" else 1
     block_r = max(min_block, min(cfg.block_r, _pow2(rank)))

@@ -5,8 +5,9 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`), which expands steps fold into the fused op after them (`folded_ops`), and which of
-those folds a per-token step hands to the ops' tiled variants (`tiled_decode_ops`).
+(`choose_path`, and `step_path` for per-token-sized steps whose rows share few adapters), which expands steps fold
+into the fused op after them (`folded_ops`), and which of those folds a per-token step hands to the ops' tiled
+variants (`tiled_decode_ops`).
 """
 
 from __future__ import annotations
@@ -98,7 +99,41 @@ def check_powers_of_two(config: object, names: tuple[str, ...]) -> None:
 
 
 def choose_path(num_tokens: int) -> str:
+    """The path by the token count alone."""
     return "sgmv" if num_tokens >= SGMV_MIN_TOKENS else "bgmv"
+
+
+# A per-token-sized step whose rows share few adapters (`shares_few_adapters`) runs the LoRA kernels in segments from
+# this many tokens, per rank class (the smallest key at least the rank width the step reads the slots at): per token,
+# every row reads its adapter's A and B (from L2 after the first); in segments, each 16-row tile of one adapter reads
+# them once, on tensor cores. H200, Llama-3-8B, decode-graph replay in ms, per token (with the tiled SiLU·up where it
+# applies) against segments, rows on 1 / 8 adapters (BENCHMARKS.md, seventeenth session):
+#   rank 64:  32 rows 6.95 / -  against 6.61 / -;  64 rows 8.66 / 9.05 against 7.28 / 7.97;  128 rows 12.45 / 13.23
+#             against 9.05 / 9.55
+#   rank 32:  32 rows 6.06 against 6.23;  48 rows 6.66 against 6.61;  64 rows 7.14 / 7.32 against 6.88 / 7.38;
+#             96 rows 8.85 / 9.08 against 7.88 / 8.30;  128 rows 9.95 / 10.14 against 8.56 / 8.95
+#   rank 16:  per token wins or ties at every size (64 rows 6.35 / 6.54 against 6.74 / 7.18; 128 rows 8.42 / 8.69
+#             against 8.42 / 8.78)
+# `LORASERVE_LORA_SHARED_SEGMENTS=0` turns it off, for measuring both.
+SHARED_SEGMENT_MIN_TOKENS = {16: SGMV_MIN_TOKENS, 32: 64, 64: 32}
+SHARED_SEGMENTS = True
+SHARED_SEGMENTS_ENV = "LORASERVE_LORA_SHARED_SEGMENTS"
+
+
+def shared_segments(num_tokens: int, rank: int) -> bool:
+    """Whether a step of `num_tokens` tokens reading the slots at width `rank` runs in segments when its rows share
+    few adapters (`SHARED_SEGMENT_MIN_TOKENS`; on the segment path by size anyway from SGMV_MIN_TOKENS)."""
+    if num_tokens >= SGMV_MIN_TOKENS or not env_switch(SHARED_SEGMENTS_ENV, "1", "0", SHARED_SEGMENTS):
+        return False
+    return num_tokens >= SHARED_SEGMENT_MIN_TOKENS[_nearest(SHARED_SEGMENT_MIN_TOKENS, rank)]
+
+
+def step_path(num_tokens: int, rank: int, lora_slots: Iterable[int]) -> str:
+    """The path a step's LoRA kernels take: by the token count (`choose_path`), or in segments for a per-token-sized
+    step whose rows (`lora_slots`, one per token, -1: none) share few adapters where `shared_segments` says."""
+    if shared_segments(num_tokens, rank) and shares_few_adapters(lora_slots):
+        return "sgmv"
+    return choose_path(num_tokens)
 
 
 def fold_expand() -> bool:
@@ -117,10 +152,10 @@ FOLDED_OPS = {
 }
 
 
-def folded_ops(num_tokens: int) -> frozenset[str]:
-    """The fused ops that add the LoRA delta of the projection they read, in a step of `num_tokens` tokens
-    (none when the fold is switched off)."""
-    return FOLDED_OPS[choose_path(num_tokens)] if fold_expand() else frozenset()
+def folded_ops(path: str) -> frozenset[str]:
+    """The fused ops that add the LoRA delta of the projection they read, in a step on this path (none when the
+    fold is switched off)."""
+    return FOLDED_OPS[path] if fold_expand() else frozenset()
 
 
 # On the per-token path the SiLU·up fold reads the token's gate/up B ([28672, 16] bf16, 917 KB on Llama-3-8B) once
@@ -153,7 +188,7 @@ def tileable_decode_ops(num_tokens: int) -> frozenset[str]:
     switch or the fold is off): the decode graphs capture a tiled variant only where this is not empty."""
     if choose_path(num_tokens) != "bgmv" or num_tokens < DECODE_TILES_MIN_TOKENS or not decode_tiles():
         return frozenset()
-    return DECODE_TILED_OPS & folded_ops(num_tokens)
+    return DECODE_TILED_OPS & folded_ops("bgmv")
 
 
 def tiled_decode_ops(num_tokens: int, lora_slots: Iterable[int]) -> frozenset[str]:

@@ -31,6 +31,8 @@ class Step:
     lora_fold_into: frozenset[str]
     # those of them that take the fused ops' tiled variants (LoRAStep.tiled_folds), as the driver chose
     lora_tiled_folds: frozenset[str]
+    # whether the driver's step runs the LoRA kernels in segments whatever its size (LoRAMetadata.segments)
+    lora_segments: bool
     num_kv_blocks: int
     block_size: int
     # the Triton prefill attention's plan (tiles, sequences, block_q), made once per step on the driver
@@ -99,6 +101,7 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         num_lora_slots=0 if lora is None else lora.meta.num_slots,
         lora_fold_into=frozenset() if lora is None else lora.fold_into,
         lora_tiled_folds=frozenset() if lora is None else lora.tiled_folds,
+        lora_segments=lora is not None and lora.meta.segments,
         num_kv_blocks=num_blocks, block_size=block_size,
         prefill=None if attn.prefill is None else (_numpy(attn.prefill.tiles), _numpy(attn.prefill.sequences),
                                                    attn.prefill.block_q),
@@ -116,8 +119,9 @@ def decode_step(message: Step, device: torch.device, lora_slot_ranks: torch.Tens
     if message.lora_slots is not None:
         import kernels
 
-        lora = LoRAStep(kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots,
-                                                      slot_ranks=lora_slot_ranks),
+        meta = kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots,
+                                             slot_ranks=lora_slot_ranks)
+        lora = LoRAStep(meta.in_segments() if message.lora_segments else meta,
                         fold_into=message.lora_fold_into, tiled_folds=message.lora_tiled_folds)
     prefill = None
     if message.prefill is not None:

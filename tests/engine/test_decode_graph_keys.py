@@ -1,26 +1,29 @@
 """Which decode graph a step replays (checked on the CPU: the choice is host logic): the smallest bucket
-that holds its rows, with the LoRA work only when some row uses an adapter, and with the SiLU·up fold's tiled
-variant only from 32 rows and only when the rows share few adapters (`lora_tuning.tiled_decode_ops`)."""
+that holds its rows, with the LoRA work only when some row uses an adapter, and, only from 32 rows and only when the
+rows share few adapters, with the LoRA kernels in segments at ranks above 16 (`lora_tuning.shared_segments`) or
+else with the SiLU·up fold's tiled variant (`lora_tuning.tiled_decode_ops`)."""
 from __future__ import annotations
 
 import pytest
 
-from engine.cuda_graphs import GraphKey, bucket_keys, captured_tiled_folds, default_buckets, graph_key
+from engine.cuda_graphs import GraphKey, bucket_keys, captured_shared_keys, default_buckets, graph_key
 from kernels import lora_tuning
 
 BUCKETS = default_buckets(64)  # 1, 2, 4, 8, 16, 32, 48, 64
 TILED = frozenset({"silu_and_mul"})
 
 
-def key(num_lora_slots: int, batch: int, lora_slots: list[int]) -> GraphKey:
-    """The key of a step on graphs captured now, with the switches as they are."""
-    return graph_key(BUCKETS, num_lora_slots, batch, lora_slots, captured_tiled_folds(BUCKETS, num_lora_slots))
+def key(num_lora_slots: int, batch: int, lora_slots: list[int], max_rank: int = 16,
+        rank_width: int | None = None) -> GraphKey:
+    """The key of a step on graphs captured now for slots of `max_rank`, with the switches as they are."""
+    shared = captured_shared_keys(BUCKETS, num_lora_slots, max_rank)
+    return graph_key(BUCKETS, num_lora_slots, batch, lora_slots, shared, rank_width)
 
 
 @pytest.fixture(autouse=True)
 def _default_switches(monkeypatch):
-    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
-    monkeypatch.delenv(lora_tuning.DECODE_TILES_ENV, raising=False)
+    for env in (lora_tuning.FOLD_EXPAND_ENV, lora_tuning.DECODE_TILES_ENV, lora_tuning.SHARED_SEGMENTS_ENV):
+        monkeypatch.delenv(env, raising=False)
 
 
 def test_a_step_replays_the_smallest_bucket_that_holds_its_rows():
@@ -61,42 +64,74 @@ def test_the_tiled_fold_is_not_chosen_when_switched_off(monkeypatch):
 @pytest.mark.parametrize("bucket", BUCKETS)
 def test_a_bucket_is_captured_with_the_tiled_fold_only_from_32_rows(bucket):
     keys = [GraphKey(bucket, False), GraphKey(bucket, True)] + [GraphKey(bucket, True, TILED)] * (bucket >= 32)
-    assert bucket_keys(bucket, 4) == keys
+    assert bucket_keys(bucket, 4, 16) == keys
 
 
 def test_a_bucket_without_adapter_slots_is_captured_once():
-    assert bucket_keys(64, 0) == [GraphKey(64, False)]
+    assert bucket_keys(64, 0, 16) == [GraphKey(64, False)]
 
 
-def test_every_key_a_step_can_take_is_captured():
+@pytest.mark.parametrize("max_rank", [8, 16, 32, 64])
+def test_every_key_a_step_can_take_is_captured(max_rank):
     for batch in range(1, 65):
         for spread in (1, 2, 4, 8, 16, 64):
-            step_key = key(64, batch, [i % spread for i in range(batch)])
-            assert step_key in bucket_keys(step_key.bucket, 64)
+            for width in {None, lora_tuning.narrow_rank_width(max_rank)}:
+                step_key = key(64, batch, [i % spread for i in range(batch)], max_rank, width)
+                assert step_key in bucket_keys(step_key.bucket, 64, max_rank)
 
 
-@pytest.mark.parametrize("env", [lora_tuning.DECODE_TILES_ENV, lora_tuning.FOLD_EXPAND_ENV])
+@pytest.mark.parametrize("env", [lora_tuning.DECODE_TILES_ENV, lora_tuning.FOLD_EXPAND_ENV,
+                                 lora_tuning.SHARED_SEGMENTS_ENV])
 def test_a_switch_turned_on_after_capture_names_no_graph_that_was_not_captured(monkeypatch, env):
-    """The graphs were captured with the switch off (no tiled graph); the keys read the folds they were captured
-    tiled with (`DecodeGraphs.tileable`), not the switch as it is now."""
+    """The graphs were captured with the switch off (no tiled or segment graph for rows on few adapters, at rank 16
+    or 64); the keys read the graphs captured (`DecodeGraphs.shared_keys`), not the switch as it is now."""
+    monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
+    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "0")
     monkeypatch.setenv(env, "0")
-    captured = bucket_keys(64, 4)
-    tileable = captured_tiled_folds(BUCKETS, 4)
-    monkeypatch.setenv(env, "1")
-    step_key = graph_key(BUCKETS, 4, 64, [0] * 64, tileable)
-    assert step_key in captured and step_key == GraphKey(64, True)
+    for max_rank in (16, 64):
+        captured = bucket_keys(64, 4, max_rank)
+        shared = captured_shared_keys(BUCKETS, 4, max_rank)
+        monkeypatch.setenv(env, "1")
+        step_key = graph_key(BUCKETS, 4, 64, [0] * 64, shared)
+        assert step_key in captured and step_key == GraphKey(64, True)
+        monkeypatch.setenv(env, "0")
 
 
 def test_a_switch_turned_off_after_capture_keeps_the_tiled_graph_it_captured(monkeypatch):
-    tileable = captured_tiled_folds(BUCKETS, 4)
+    shared = captured_shared_keys(BUCKETS, 4, 16)
     monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
-    assert graph_key(BUCKETS, 4, 64, [0] * 64, tileable) == GraphKey(64, True, TILED)
+    assert graph_key(BUCKETS, 4, 64, [0] * 64, shared) == GraphKey(64, True, TILED)
 
 
 def test_slots_wider_than_16_capture_every_lora_graph_at_rank_width_16_too():
-    keys = bucket_keys(32, 4, narrow_width=16)
+    keys = bucket_keys(32, 4, 64)
     assert keys == [GraphKey(32, False), GraphKey(32, True), GraphKey(32, True, rank_width=16),
-                    GraphKey(32, True, TILED), GraphKey(32, True, TILED, 16)]
+                    GraphKey(32, True, segments=True), GraphKey(32, True, TILED, 16)]
+
+
+@pytest.mark.parametrize("max_rank", [32, 64])
+def test_many_rows_on_few_adapters_of_rank_32_and_more_replay_the_segment_graph(max_rank):
+    assert key(4, 64, [i % 4 for i in range(64)], max_rank) == GraphKey(64, True, segments=True)
+
+
+def test_rank_64_slots_replay_segment_graphs_from_32_rows_and_rank_32_slots_from_64():
+    assert key(4, 25, [1] * 25, 64) == GraphKey(32, True, segments=True)
+    assert key(4, 25, [1] * 25, 32) == GraphKey(32, True, TILED)
+    assert key(4, 40, [1] * 40, 32) == GraphKey(48, True, TILED)
+
+
+def test_rows_of_rank_64_slots_spread_over_many_adapters_stay_per_token():
+    assert key(16, 64, [i % 16 for i in range(64)], 64) == GraphKey(64, True)
+
+
+def test_a_bucket_below_32_rows_has_no_segment_graph():
+    assert key(4, 16, [1] * 16, 64) == GraphKey(16, True)
+    assert bucket_keys(16, 4, 64) == [GraphKey(16, False), GraphKey(16, True), GraphKey(16, True, rank_width=16)]
+
+
+def test_narrow_adapters_in_wide_slots_replay_the_tiled_graph_of_rank_width_16():
+    """Their launches take the rank-16 shapes, where the per-token path with the tiled fold wins."""
+    assert key(4, 64, [0] * 64, 64, rank_width=16) == GraphKey(64, True, TILED, 16)
 
 
 @pytest.mark.parametrize(("largest", "max_rank", "width"),
@@ -106,6 +141,6 @@ def test_a_step_reads_the_slots_at_width_16_when_its_adapters_fit_and_the_slots_
 
 
 def test_a_step_of_narrow_adapters_replays_the_narrow_graph_that_was_captured():
-    step_key = graph_key(BUCKETS, 4, 40, [1] * 40, captured_tiled_folds(BUCKETS, 4), rank_width=16)
+    step_key = key(4, 40, [1] * 40, 32, rank_width=16)
     assert step_key == GraphKey(48, True, TILED, 16)
-    assert step_key in bucket_keys(48, 4, narrow_width=16)
+    assert step_key in bucket_keys(48, 4, 32)

@@ -10,6 +10,7 @@ from tests.kernels.lora_cases import (
     PATTERNS,
     expand_reference,
     random_weights,
+    record_calls,
     relative_error,
     shrink_reference,
     slots_tensor,
@@ -88,3 +89,22 @@ def test_metadata_for_another_token_count_is_refused():
     (a,) = random_weights([(8, 32)], torch.float32)
     with pytest.raises(ValueError, match="prepared for"):
         lora_triton.shrink_slices(torch.randn(len(PATTERN) + 1, 32), [a], meta)
+
+
+@pytest.mark.skipif(not triton_runs_in_process(), reason="Triton cannot run in this process")
+def test_metadata_in_segments_runs_the_segment_kernels_at_a_per_token_size(monkeypatch):
+    """A step of 40 rows on two adapters that chose segments (`lora_tuning.step_path`) launches the SGMV kernels,
+    with the result the float64 reference gives."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    pattern = [t % 2 for t in range(40)]
+    slots = slots_tensor(pattern, device)
+    meta = kernels.prepare_lora_metadata(slots, NUM_SLOTS).in_segments()
+    launches = record_calls(monkeypatch, lora_triton, "_shrink_sgmv_kernel", "_shrink_bgmv_kernel",
+                            "_expand_sgmv_kernel", "_expand_bgmv_kernel")
+    x, y = torch.randn(40, 32, device=device), torch.randn(40, 24, device=device)
+    (a,), (b,) = random_weights([(16, 32)], torch.float32, device), random_weights([(24, 16)], torch.float32, device)
+    h = lora_triton.shrink_slices(x, [a], meta)
+    want = expand_reference(y, shrink_reference(x, [a], slots), [b], slots)
+    lora_triton.expand_slices(y, h, [b], meta)
+    assert [call.name for call in launches] == ["_shrink_sgmv_kernel", "_expand_sgmv_kernel"]
+    assert relative_error(y, want) <= (5e-3 if device == "cuda" else 1e-5)  # TF32 dots on CUDA

@@ -95,3 +95,19 @@ def test_slot_ranks_of_the_wrong_length_are_refused_before_any_buffer_changes():
         prepare_lora_metadata(slots_tensor([0, 1]), NUM_SLOTS, slot_ranks=torch.ones(NUM_SLOTS + 1, dtype=torch.int32),
                               out=out)
     assert out.num_tokens == 0 and not out.slots.any()
+
+
+def test_the_path_follows_the_token_count_unless_the_step_chose_segments():
+    small = prepare_lora_metadata(slots_tensor([0] * 64), NUM_SLOTS)
+    large = prepare_lora_metadata(slots_tensor([0] * 200), NUM_SLOTS)
+    assert (small.path, large.path) == ("bgmv", "sgmv")
+    assert small.in_segments().path == "sgmv"
+
+
+def test_metadata_in_segments_reads_the_buffers_a_preparation_fills():
+    """A decode graph's segment variant shares its bucket's buffers: preparing into either fills both."""
+    meta = LoRAMetadata.empty(32, NUM_SLOTS, "cpu")
+    segments = meta.in_segments()
+    prepare_lora_metadata(slots_tensor([1] * 32), NUM_SLOTS, out=segments)
+    assert segments.num_tokens == 32 and segments.slots.data_ptr() == meta.slots.data_ptr()
+    assert meta.slots[:32].tolist() == [1] * 32 and not meta.segments

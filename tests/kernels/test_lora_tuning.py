@@ -31,19 +31,64 @@ def test_the_fold_switch_reads_the_environment(monkeypatch, value, want):
     assert lora_tuning.fold_expand() is want
 
 
-@pytest.mark.parametrize(("tokens", "want"), [
-    (1, {"rotary_and_write_kv", "silu_and_mul", "add_rms_norm"}),
-    (lora_tuning.SGMV_MIN_TOKENS - 1, {"rotary_and_write_kv", "silu_and_mul", "add_rms_norm"}),
-    (lora_tuning.SGMV_MIN_TOKENS, {"rotary_and_write_kv", "silu_and_mul"}),
-])
-def test_the_segment_path_folds_into_every_fused_op_but_the_norm(monkeypatch, tokens, want):
+def test_the_per_token_path_folds_into_every_fused_op(monkeypatch):
     monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
-    assert lora_tuning.folded_ops(tokens) == want
+    assert lora_tuning.folded_ops("bgmv") == {"rotary_and_write_kv", "silu_and_mul", "add_rms_norm"}
+
+
+def test_the_segment_path_folds_into_every_fused_op_but_the_norm(monkeypatch):
+    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
+    assert lora_tuning.folded_ops("sgmv") == {"rotary_and_write_kv", "silu_and_mul"}
 
 
 def test_no_op_folds_when_the_fold_is_off(monkeypatch):
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "0")
-    assert lora_tuning.folded_ops(1) == lora_tuning.folded_ops(8192) == frozenset()
+    assert lora_tuning.folded_ops("bgmv") == lora_tuning.folded_ops("sgmv") == frozenset()
+
+
+@pytest.fixture
+def segments_on(monkeypatch):
+    monkeypatch.delenv(lora_tuning.SHARED_SEGMENTS_ENV, raising=False)
+
+
+@pytest.mark.parametrize(("tokens", "rank", "path"), [
+    (32, 64, "sgmv"), (128, 64, "sgmv"), (32, 33, "sgmv"), (32, 128, "sgmv"), (31, 64, "bgmv"),
+    (64, 32, "sgmv"), (64, 17, "sgmv"), (128, 32, "sgmv"), (63, 32, "bgmv"), (32, 32, "bgmv"),
+    (64, 16, "bgmv"), (128, 16, "bgmv"), (64, 8, "bgmv"),
+])
+def test_rows_on_one_adapter_run_in_segments_from_32_tokens_at_rank_64_and_64_tokens_at_rank_32(
+        segments_on, tokens, rank, path):
+    """Rank 16 and less stays per token below SGMV_MIN_TOKENS."""
+    assert lora_tuning.step_path(tokens, rank, [3] * tokens) == path
+
+
+@pytest.mark.parametrize(("adapters", "path"), [(1, "sgmv"), (8, "sgmv"), (9, "bgmv"), (64, "bgmv")])
+def test_rows_spread_over_many_adapters_stay_per_token(segments_on, adapters, path):
+    """64 rows: 8 rows per adapter or more share few adapters (`shares_few_adapters`)."""
+    assert lora_tuning.step_path(64, 64, [t % adapters for t in range(64)]) == path
+
+
+def test_a_step_of_base_rows_only_stays_per_token(segments_on):
+    assert lora_tuning.step_path(64, 64, [-1] * 64) == "bgmv"
+
+
+def test_steps_of_the_segment_path_by_size_keep_it_whatever_their_adapters(segments_on):
+    tokens = lora_tuning.SGMV_MIN_TOKENS
+    assert not lora_tuning.shared_segments(tokens, 64)
+    assert lora_tuning.step_path(tokens, 64, list(range(tokens))) == "sgmv"
+    assert lora_tuning.step_path(tokens, 16, [0] * tokens) == "sgmv"
+
+
+def test_the_shared_segments_switch_turns_them_off(monkeypatch):
+    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "0")
+    assert not lora_tuning.shared_segments(64, 64)
+    assert lora_tuning.step_path(64, 64, [0] * 64) == "bgmv"
+
+
+def test_the_shared_segments_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "on")
+    with pytest.raises(ValueError, match="LORASERVE_LORA_SHARED_SEGMENTS must be '1' or '0'"):
+        lora_tuning.shared_segments(64, 64)
 
 
 def test_the_fold_switch_refuses_other_values(monkeypatch):
