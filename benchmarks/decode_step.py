@@ -45,14 +45,13 @@ def main() -> None:
                         help="write each row's kernels by GPU time (one engine step) to DIR/profile_*.txt")
     parser.add_argument("--freeze-heap", action="store_true",
                         help="freeze each engine's start-up heap out of the collector's reach, as the server does")
-    parser.add_argument("--shared-segments-from", type=int,
-                        help="decode graphs from this many rows run the LoRA kernels in segments when the rows share "
-                             "few adapters, at every rank (lora_tuning.SHARED_SEGMENT_MIN_TOKENS otherwise; "
-                             "LORASERVE_LORA_SHARED_SEGMENTS=0 turns them off)")
+    parser.add_argument("--segments-from", type=int, nargs=2, metavar=("SPREAD", "SHARED"),
+                        help="decode graphs run the LoRA kernels in segments from this many rows at every rank, when the "
+                             "rows are spread over many adapters and when they share few (lora_tuning.SEGMENTS_FROM "
+                             "otherwise; LORASERVE_LORA_DECODE_SEGMENTS=0 turns them off)")
     args = parser.parse_args()
-    if args.shared_segments_from is not None:
-        lora_tuning.SHARED_SEGMENT_MIN_TOKENS = dict.fromkeys(lora_tuning.SHARED_SEGMENT_MIN_TOKENS,
-                                                              args.shared_segments_from)
+    if args.segments_from is not None:
+        lora_tuning.SEGMENTS_FROM = dict.fromkeys(lora_tuning.SEGMENTS_FROM, lora_tuning.SegmentsFrom(*args.segments_from))
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
     args.device, args.adapter_reader, args.admission_order = "cuda", "threads", "fcfs"
     args.out.mkdir(parents=True, exist_ok=True)
@@ -64,7 +63,7 @@ def main() -> None:
                           min(count, 16), rank=args.adapter_rank)
     bandwidth = measure_bandwidth("cuda")
     results: dict = {"bandwidth_tbs": bandwidth / 1e12, "decode_tiles": lora_tuning.decode_tiles(),
-                     "shared_segment_min_tokens": lora_tuning.SHARED_SEGMENT_MIN_TOKENS,
+                     "segments_from": {rank: vars(start) for rank, start in lora_tuning.SEGMENTS_FROM.items()},
                      "adapter_rank": args.adapter_rank, "max_lora_rank": args.max_lora_rank, "rows": []}
 
     def measure(label: str, engine, loras_for) -> None:

@@ -8,11 +8,12 @@ each bucket is captured twice, with the LoRA work and without it, and a step in 
 adapter replays the second (vLLM's `cudagraph_specialize_lora`): base-model traffic on a LoRA server
 does not pay for launches that would do nothing. Buckets on the per-token LoRA path run each shrink
 beside its base matmul; each expand is left to the fused op after it where `lora_tuning.folded_ops` says
-(`LORASERVE_LORA_FOLD=0` turns that off). A step whose rows share few adapters replays a third graph where its
-bucket has one (`shared_adapters_key`): with the LoRA kernels in segments (`lora_tuning.shared_segments`: at rank
-64 from 32 rows, at rank 32 from 64), else with the fused ops' tiled variants (`lora_tuning.tileable_decode_ops`: from 32
-rows; `LORASERVE_LORA_DECODE_TILES=0` turns it off). Buckets of CUBLASLT_TOKENS are captured with cuBLASLt
-preferred.
+(`LORASERVE_LORA_FOLD=0` turns that off). Below the segment path's size, a bucket's LoRA graphs run in
+segments where `lora_tuning.path_for` says (ranks above 16; from fewer rows when they share few adapters;
+`LORASERVE_LORA_DECODE_SEGMENTS=0` turns it off), and a step whose rows share few adapters replays a graph of its
+own where that differs (`lora_key`): in segments, or with the fused ops' tiled variants
+(`lora_tuning.tileable_decode_ops`: from 32 rows; `LORASERVE_LORA_DECODE_TILES=0` turns it off). Buckets of
+CUBLASLT_TOKENS are captured with cuBLASLt preferred.
 """
 from __future__ import annotations
 
@@ -74,53 +75,57 @@ class GraphKey(NamedTuple):
     segments: bool = False
 
 
-def shared_adapters_key(bucket: int, max_rank: int, rank_width: int | None) -> GraphKey | None:
-    """The graph a bucket's steps replay when their rows share few adapters (`lora_tuning.shares_few_adapters`), at
-    this rank width (None: the slots' whole `max_rank`): with the LoRA kernels in segments where
-    `lora_tuning.shared_segments` says, else with the tiled folds where `lora_tuning.tileable_decode_ops` says; None
-    where neither does (those steps replay the bucket's plain LoRA graph)."""
-    if lora_tuning.shared_segments(bucket, rank_width or max_rank):
+def lora_key(bucket: int, max_rank: int, rank_width: int | None, shared: bool) -> GraphKey:
+    """The LoRA graph of a bucket at a rank width (None: the slots' whole `max_rank`) for steps whose rows share few
+    adapters (`shared`) or not: in segments below the segment path's size where `lora_tuning.path_for` says, else
+    with the tiled folds for shared rows where `lora_tuning.tileable_decode_ops` says."""
+    rank = rank_width or max_rank
+    if lora_tuning.path_for(bucket, rank, shared) != lora_tuning.choose_path(bucket):
         return GraphKey(bucket, True, rank_width=rank_width, segments=True)
-    tiled = lora_tuning.tileable_decode_ops(bucket)
-    return GraphKey(bucket, True, tiled, rank_width) if tiled else None
+    tiled = lora_tuning.tileable_decode_ops(bucket) if shared else frozenset()
+    return GraphKey(bucket, True, tiled, rank_width)
 
 
 def bucket_keys(bucket: int, num_lora_slots: int, max_rank: int) -> list[GraphKey]:
     """The graphs captured for a bucket: without the LoRA work; with adapter slots (of rank `max_rank`) also with
     it, at the slots' whole width and at a narrower rank width where there is one (`lora_tuning.narrow_rank_width`),
-    then each width's graph for rows that share few adapters, where there is one (`shared_adapters_key`)."""
+    for rows spread over many adapters, then for rows that share few adapters where that graph differs (`lora_key`)."""
     keys = [GraphKey(bucket, False)]
     if num_lora_slots:
         widths = [None, lora_tuning.narrow_rank_width(max_rank)]
         widths = widths[:1] if widths[1] is None else widths
-        keys += [GraphKey(bucket, True, rank_width=width) for width in widths]
-        shared = (shared_adapters_key(bucket, max_rank, width) for width in widths)
-        keys += [key for key in shared if key is not None]
+        spread = [lora_key(bucket, max_rank, width, shared=False) for width in widths]
+        shared = [lora_key(bucket, max_rank, width, shared=True) for width in widths]
+        keys += spread + [key for key in shared if key not in spread]
     return keys
 
 
-def captured_shared_keys(buckets: list[int], num_lora_slots: int,
-                         max_rank: int) -> dict[tuple[int, int | None], GraphKey]:
-    """The graph of each bucket and rank width for rows that share few adapters (`bucket_keys`), as the switches say
-    now: read once, at capture, so that a switch changed since cannot name a graph that does not exist."""
-    return {(key.bucket, key.rank_width): key for bucket in buckets
-            for key in bucket_keys(bucket, num_lora_slots, max_rank) if key.segments or key.tiled_folds}
+def captured_lora_keys(buckets: list[int], num_lora_slots: int,
+                       max_rank: int) -> dict[tuple[int, int | None], tuple[GraphKey, GraphKey]]:
+    """The LoRA graphs of each bucket and rank width (`bucket_keys`), for rows spread over many adapters and for rows
+    that share few, as the switches say now: read once, at capture, so that a switch changed since cannot name a
+    graph that does not exist."""
+    if not num_lora_slots:
+        return {}
+    widths = {None, lora_tuning.narrow_rank_width(max_rank)}
+    return {(bucket, width): (lora_key(bucket, max_rank, width, shared=False),
+                              lora_key(bucket, max_rank, width, shared=True))
+            for bucket in buckets for width in widths}
 
 
 def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],
-              shared: Mapping[tuple[int, int | None], GraphKey], rank_width: int | None = None) -> GraphKey:
+              captured: Mapping[tuple[int, int | None], tuple[GraphKey, GraphKey]],
+              rank_width: int | None = None) -> GraphKey:
     """The decode graph a step of `batch` rows with these adapter slots (-1: none) replays: the smallest
     bucket that holds it, whether the graph does the LoRA work (there are adapter slots and some row
-    uses one), at the rank width of the step's adapters (`lora_tuning.rank_width`); when the rows share few
-    adapters (`lora_tuning.shares_few_adapters`), the bucket's graph for them where one was captured (`shared`, from
-    `captured_shared_keys`)."""
+    uses one), and of that bucket's LoRA graphs (`captured`, from `captured_lora_keys`) the one at the rank width
+    of the step's adapters (`lora_tuning.rank_width`) for rows that share few adapters or not
+    (`lora_tuning.shares_few_adapters`)."""
     bucket = smallest_bucket(buckets, batch)
     if num_lora_slots == 0 or max(lora_slots, default=-1) < 0:
         return GraphKey(bucket, False)
-    key = shared.get((bucket, rank_width))
-    if key is not None and lora_tuning.shares_few_adapters(lora_slots):
-        return key
-    return GraphKey(bucket, True, rank_width=rank_width)
+    spread, shared = captured[(bucket, rank_width)]
+    return shared if shared != spread and lora_tuning.shares_few_adapters(lora_slots) else spread
 
 
 class StagedBlockTables:
@@ -180,7 +185,7 @@ class DecodeGraphs:
         self._copied = torch.cuda.Event()
         self.graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[GraphKey, torch.Tensor] = {}
-        self.shared_keys = captured_shared_keys(self.buckets, num_lora_slots, self.max_rank)
+        self.lora_keys = captured_lora_keys(self.buckets, num_lora_slots, self.max_rank)
         self.lora_meta: dict[int, kernels.LoRAMetadata] = {}
         self.lora_side_stream = torch.cuda.Stream(device) if num_lora_slots else None
         self._capture_all()
@@ -240,12 +245,12 @@ class DecodeGraphs:
 
     def key(self, batch: int, lora_slots: list[int]) -> GraphKey:
         """The graph a step of `batch` rows with these adapter slots replays: its bucket, whether it does the
-        LoRA work (some row uses an adapter), its rank width, and whether it is the graph for rows that share few
-        adapters (`graph_key`)."""
+        LoRA work (some row uses an adapter), its rank width, and whether its rows share few adapters
+        (`graph_key`)."""
         width = None
         if self.narrow_width is not None:
             width = lora_tuning.rank_width(self.lora_slot_ranks.largest(lora_slots), self.lora_slot_ranks.max_rank)
-        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.shared_keys, width)
+        return graph_key(self.buckets, self.num_lora_slots, batch, lora_slots, self.lora_keys, width)
 
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:

@@ -5,7 +5,7 @@ Looked up by shape at call time; nothing is searched at run time. `benchmarks/lo
 Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucket (the
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
-(`choose_path`, and `step_path` for per-token-sized steps whose rows share few adapters), which expands steps fold
+(`choose_path` by the token count, `step_path` by the rank and the rows' adapters too), which expands steps fold
 into the fused op after them (`folded_ops`), and which of those folds a per-token step hands to the ops' tiled
 variants (`tiled_decode_ops`).
 """
@@ -103,37 +103,54 @@ def choose_path(num_tokens: int) -> str:
     return "sgmv" if num_tokens >= SGMV_MIN_TOKENS else "bgmv"
 
 
-# A per-token-sized step whose rows share few adapters (`shares_few_adapters`) runs the LoRA kernels in segments from
-# this many tokens, per rank class (the smallest key at least the rank width the step reads the slots at): per token,
-# every row reads its adapter's A and B (from L2 after the first); in segments, each 16-row tile of one adapter reads
-# them once, on tensor cores. H200, Llama-3-8B, decode-graph replay in ms, per token (with the tiled SiLU·up where it
-# applies) against segments, rows on 1 / 8 adapters (BENCHMARKS.md, seventeenth session):
+# Below SGMV_MIN_TOKENS a step runs the LoRA kernels in segments from these token counts, per rank class (the smallest
+# key at least the rank width the step reads the slots at): `shared` when its rows share few adapters
+# (`shares_few_adapters`), `spread` otherwise. Per token, every row reads its adapter's A and B (from L2 after the
+# first); in segments, each 16-row tile of one adapter reads them once, on tensor cores. H200, Llama-3-8B,
+# decode-graph replay in ms, per token (with the tiled SiLU·up where it applies) against segments, rows on
+# 1 / 8 adapters (BENCHMARKS.md, seventeenth session):
 #   rank 64:  32 rows 6.95 / -  against 6.61 / -;  64 rows 8.66 / 9.05 against 7.28 / 7.97;  128 rows 12.45 / 13.23
 #             against 9.05 / 9.55
 #   rank 32:  32 rows 6.06 against 6.23;  48 rows 6.66 against 6.61;  64 rows 7.14 / 7.32 against 6.88 / 7.38;
 #             96 rows 8.85 / 9.08 against 7.88 / 8.30;  128 rows 9.95 / 10.14 against 8.56 / 8.95
 #   rank 16:  per token wins or ties at every size (64 rows 6.35 / 6.54 against 6.74 / 7.18; 128 rows 8.42 / 8.69
 #             against 8.42 / 8.78)
-# `LORASERVE_LORA_SHARED_SEGMENTS=0` turns it off, for measuring both.
-SHARED_SEGMENT_MIN_TOKENS = {16: SGMV_MIN_TOKENS, 32: 64, 64: 32}
-SHARED_SEGMENTS = True
-SHARED_SEGMENTS_ENV = "LORASERVE_LORA_SHARED_SEGMENTS"
+# Rows spread over 32 adapters (2.5 to 4 rows each), the same replay: rank 64, 80 / 96 / 112 / 128 rows 12.78 / 14.66 /
+# 16.11 / 17.24 against 10.50 / 10.84 / 11.25 / 11.57; rank 32, 9.31 / 10.11 / 10.95 / 11.73 against 9.05 / 9.35 /
+# 9.75 / 10.15. At 64 rows over 64 adapters per token wins (one layer's LoRA kernels, rank 32 119.2 against 141.7 us,
+# rank 64 190.3 against 232.3).
+# `LORASERVE_LORA_DECODE_SEGMENTS=0` keeps every step below SGMV_MIN_TOKENS per token, for measuring both.
+@dataclass(frozen=True)
+class SegmentsFrom:
+    spread: int
+    shared: int
 
 
-def shared_segments(num_tokens: int, rank: int) -> bool:
-    """Whether a step of `num_tokens` tokens reading the slots at width `rank` runs in segments when its rows share
-    few adapters (`SHARED_SEGMENT_MIN_TOKENS`; on the segment path by size anyway from SGMV_MIN_TOKENS)."""
-    if num_tokens >= SGMV_MIN_TOKENS or not env_switch(SHARED_SEGMENTS_ENV, "1", "0", SHARED_SEGMENTS):
-        return False
-    return num_tokens >= SHARED_SEGMENT_MIN_TOKENS[_nearest(SHARED_SEGMENT_MIN_TOKENS, rank)]
+SEGMENTS_FROM = {16: SegmentsFrom(spread=SGMV_MIN_TOKENS, shared=SGMV_MIN_TOKENS),
+                 32: SegmentsFrom(spread=80, shared=64),
+                 64: SegmentsFrom(spread=80, shared=32)}
+DECODE_SEGMENTS = True
+DECODE_SEGMENTS_ENV = "LORASERVE_LORA_DECODE_SEGMENTS"
+
+
+def path_for(num_tokens: int, rank: int, shared: bool) -> str:
+    """The path of a step of `num_tokens` tokens reading the slots at width `rank`, whose rows share few adapters
+    (`shared`) or not: by the token count (`choose_path`), or in segments below SGMV_MIN_TOKENS where SEGMENTS_FROM
+    says."""
+    if num_tokens >= SGMV_MIN_TOKENS:
+        return "sgmv"
+    if not env_switch(DECODE_SEGMENTS_ENV, "1", "0", DECODE_SEGMENTS):
+        return "bgmv"
+    start = SEGMENTS_FROM[_nearest(SEGMENTS_FROM, rank)]
+    return "sgmv" if num_tokens >= (start.shared if shared else start.spread) else "bgmv"
 
 
 def step_path(num_tokens: int, rank: int, lora_slots: Iterable[int]) -> str:
-    """The path a step's LoRA kernels take: by the token count (`choose_path`), or in segments for a per-token-sized
-    step whose rows (`lora_slots`, one per token, -1: none) share few adapters where `shared_segments` says."""
-    if shared_segments(num_tokens, rank) and shares_few_adapters(lora_slots):
+    """The path a step's LoRA kernels take (`path_for`), from its rows' adapter slots (`lora_slots`, one per token,
+    -1: none)."""
+    if num_tokens >= SGMV_MIN_TOKENS:
         return "sgmv"
-    return choose_path(num_tokens)
+    return path_for(num_tokens, rank, shares_few_adapters(lora_slots))
 
 
 def fold_expand() -> bool:

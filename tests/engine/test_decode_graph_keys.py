@@ -1,28 +1,29 @@
 """Which decode graph a step replays (checked on the CPU: the choice is host logic): the smallest bucket
-that holds its rows, with the LoRA work only when some row uses an adapter, and, only from 32 rows and only when the
-rows share few adapters, with the LoRA kernels in segments at ranks above 16 (`lora_tuning.shared_segments`) or
-else with the SiLU·up fold's tiled variant (`lora_tuning.tiled_decode_ops`)."""
+that holds its rows, with the LoRA work only when some row uses an adapter, with the LoRA kernels in segments at ranks
+above 16 where `lora_tuning.path_for` says (from 32 or 64 rows when the rows share few adapters, from 80 rows
+otherwise), else, from 32 rows when the rows share few adapters, with the SiLU·up fold's tiled variant
+(`lora_tuning.tiled_decode_ops`)."""
 from __future__ import annotations
 
 import pytest
 
-from engine.cuda_graphs import GraphKey, bucket_keys, captured_shared_keys, default_buckets, graph_key
+from engine.cuda_graphs import GraphKey, bucket_keys, captured_lora_keys, default_buckets, graph_key
 from kernels import lora_tuning
 
-BUCKETS = default_buckets(64)  # 1, 2, 4, 8, 16, 32, 48, 64
+BUCKETS = default_buckets(128)  # 1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128
 TILED = frozenset({"silu_and_mul"})
 
 
 def key(num_lora_slots: int, batch: int, lora_slots: list[int], max_rank: int = 16,
         rank_width: int | None = None) -> GraphKey:
     """The key of a step on graphs captured now for slots of `max_rank`, with the switches as they are."""
-    shared = captured_shared_keys(BUCKETS, num_lora_slots, max_rank)
-    return graph_key(BUCKETS, num_lora_slots, batch, lora_slots, shared, rank_width)
+    captured = captured_lora_keys(BUCKETS, num_lora_slots, max_rank)
+    return graph_key(BUCKETS, num_lora_slots, batch, lora_slots, captured, rank_width)
 
 
 @pytest.fixture(autouse=True)
 def _default_switches(monkeypatch):
-    for env in (lora_tuning.FOLD_EXPAND_ENV, lora_tuning.DECODE_TILES_ENV, lora_tuning.SHARED_SEGMENTS_ENV):
+    for env in (lora_tuning.FOLD_EXPAND_ENV, lora_tuning.DECODE_TILES_ENV, lora_tuning.DECODE_SEGMENTS_ENV):
         monkeypatch.delenv(env, raising=False)
 
 
@@ -73,7 +74,7 @@ def test_a_bucket_without_adapter_slots_is_captured_once():
 
 @pytest.mark.parametrize("max_rank", [8, 16, 32, 64])
 def test_every_key_a_step_can_take_is_captured(max_rank):
-    for batch in range(1, 65):
+    for batch in range(1, 129):
         for spread in (1, 2, 4, 8, 16, 64):
             for width in {None, lora_tuning.narrow_rank_width(max_rank)}:
                 step_key = key(64, batch, [i % spread for i in range(batch)], max_rank, width)
@@ -81,26 +82,26 @@ def test_every_key_a_step_can_take_is_captured(max_rank):
 
 
 @pytest.mark.parametrize("env", [lora_tuning.DECODE_TILES_ENV, lora_tuning.FOLD_EXPAND_ENV,
-                                 lora_tuning.SHARED_SEGMENTS_ENV])
+                                 lora_tuning.DECODE_SEGMENTS_ENV])
 def test_a_switch_turned_on_after_capture_names_no_graph_that_was_not_captured(monkeypatch, env):
     """The graphs were captured with the switch off (no tiled or segment graph for rows on few adapters, at rank 16
-    or 64); the keys read the graphs captured (`DecodeGraphs.shared_keys`), not the switch as it is now."""
+    or 64); the keys read the graphs captured (`DecodeGraphs.lora_keys`), not the switch as it is now."""
     monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
-    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "0")
+    monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, "0")
     monkeypatch.setenv(env, "0")
     for max_rank in (16, 64):
         captured = bucket_keys(64, 4, max_rank)
-        shared = captured_shared_keys(BUCKETS, 4, max_rank)
+        captured_keys = captured_lora_keys(BUCKETS, 4, max_rank)
         monkeypatch.setenv(env, "1")
-        step_key = graph_key(BUCKETS, 4, 64, [0] * 64, shared)
+        step_key = graph_key(BUCKETS, 4, 64, [0] * 64, captured_keys)
         assert step_key in captured and step_key == GraphKey(64, True)
         monkeypatch.setenv(env, "0")
 
 
 def test_a_switch_turned_off_after_capture_keeps_the_tiled_graph_it_captured(monkeypatch):
-    shared = captured_shared_keys(BUCKETS, 4, 16)
+    captured_keys = captured_lora_keys(BUCKETS, 4, 16)
     monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, "0")
-    assert graph_key(BUCKETS, 4, 64, [0] * 64, shared) == GraphKey(64, True, TILED)
+    assert graph_key(BUCKETS, 4, 64, [0] * 64, captured_keys) == GraphKey(64, True, TILED)
 
 
 def test_slots_wider_than_16_capture_every_lora_graph_at_rank_width_16_too():
@@ -120,13 +121,24 @@ def test_rank_64_slots_replay_segment_graphs_from_32_rows_and_rank_32_slots_from
     assert key(4, 40, [1] * 40, 32) == GraphKey(48, True, TILED)
 
 
-def test_rows_of_rank_64_slots_spread_over_many_adapters_stay_per_token():
+def test_rows_of_rank_64_slots_spread_over_many_adapters_stay_per_token_below_80():
     assert key(16, 64, [i % 16 for i in range(64)], 64) == GraphKey(64, True)
 
 
-def test_a_bucket_below_32_rows_has_no_segment_graph():
-    assert key(4, 16, [1] * 16, 64) == GraphKey(16, True)
-    assert bucket_keys(16, 4, 64) == [GraphKey(16, False), GraphKey(16, True), GraphKey(16, True, rank_width=16)]
+@pytest.mark.parametrize("max_rank", [32, 64])
+@pytest.mark.parametrize("bucket", [80, 96, 112, 128])
+def test_buckets_from_80_rows_of_rank_32_and_more_run_in_segments_whatever_the_adapters(max_rank, bucket):
+    """Their graph for rows spread over many adapters is in segments, so rows on few adapters replay the same one."""
+    assert key(64, bucket, [i % 64 for i in range(bucket)], max_rank) == GraphKey(bucket, True, segments=True)
+    assert key(64, bucket - 8, [0] * (bucket - 8), max_rank) == GraphKey(bucket, True, segments=True)
+    assert bucket_keys(bucket, 64, max_rank) == [GraphKey(bucket, False), GraphKey(bucket, True, segments=True),
+                                                 GraphKey(bucket, True, rank_width=16),
+                                                 GraphKey(bucket, True, TILED, 16)]
+
+
+def test_buckets_of_rank_16_spread_over_many_adapters_stay_per_token():
+    assert key(64, 128, [i % 64 for i in range(128)], 16) == GraphKey(128, True)
+    assert key(64, 128, [i % 8 for i in range(128)], 16) == GraphKey(128, True, TILED)
 
 
 def test_narrow_adapters_in_wide_slots_replay_the_tiled_graph_of_rank_width_16():

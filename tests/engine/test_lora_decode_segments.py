@@ -1,6 +1,6 @@
 """Per-token-sized steps whose rows share few adapters of rank 64 (from 32 rows) or 32 (from 64) run the LoRA kernels
 in segments (`lora_tuning.step_path`, `LoRAMetadata.in_segments`): an engine whose 32-row decode steps take the SGMV
-kernels at rank 64 generates the tokens it generates with `LORASERVE_LORA_SHARED_SEGMENTS=0`, on the per-token ones.
+kernels at rank 64 generates the tokens it generates with `LORASERVE_LORA_DECODE_SEGMENTS=0`, on the per-token ones.
 
 Without CUDA the Triton kernels run under the interpreter, which Triton picks when it is imported: the test runs in
 a fresh interpreter process unless this one can run it already. The GPU test replays the decode graphs captured in
@@ -66,7 +66,7 @@ def test_decode_steps_of_many_rows_on_few_adapters_run_in_segments_and_generate_
     launches = record_calls(monkeypatch, lora_triton, "_shrink_sgmv_kernel", "_shrink_bgmv_kernel")
     tokens = {}
     for switch, path in (("1", "sgmv"), ("0", "bgmv")):
-        monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, switch)
+        monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, switch)
         llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
                   max_lora_rank=RANK)
         for lora in adapters:  # read now: the first step admits every request, so a decode step holds all rows
@@ -91,9 +91,9 @@ def test_segment_decode_graphs_replay_other_steps_slots_as_per_token_eager_steps
     the adapters in other orders, gives the tokens of eager steps on the per-token path."""
     adapters = _adapters(tiny_llama, tmp_path)
     kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=RANK)
-    monkeypatch.delenv(lora_tuning.SHARED_SEGMENTS_ENV, raising=False)
+    monkeypatch.delenv(lora_tuning.DECODE_SEGMENTS_ENV, raising=False)
     graphs = LLM(str(tiny_llama), **kwargs)
-    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "0")
+    monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, "0")
     eager = LLM(str(tiny_llama), enforce_eager=True, **kwargs)
     for llm in (graphs, eager):
         for lora in adapters:

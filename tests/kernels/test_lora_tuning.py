@@ -48,12 +48,12 @@ def test_no_op_folds_when_the_fold_is_off(monkeypatch):
 
 @pytest.fixture
 def segments_on(monkeypatch):
-    monkeypatch.delenv(lora_tuning.SHARED_SEGMENTS_ENV, raising=False)
+    monkeypatch.delenv(lora_tuning.DECODE_SEGMENTS_ENV, raising=False)
 
 
 @pytest.mark.parametrize(("tokens", "rank", "path"), [
-    (32, 64, "sgmv"), (128, 64, "sgmv"), (32, 33, "sgmv"), (32, 128, "sgmv"), (31, 64, "bgmv"),
-    (64, 32, "sgmv"), (64, 17, "sgmv"), (128, 32, "sgmv"), (63, 32, "bgmv"), (32, 32, "bgmv"),
+    (32, 64, "sgmv"), (127, 64, "sgmv"), (32, 33, "sgmv"), (32, 128, "sgmv"), (31, 64, "bgmv"),
+    (64, 32, "sgmv"), (64, 17, "sgmv"), (127, 32, "sgmv"), (63, 32, "bgmv"), (32, 32, "bgmv"),
     (64, 16, "bgmv"), (128, 16, "bgmv"), (64, 8, "bgmv"),
 ])
 def test_rows_on_one_adapter_run_in_segments_from_32_tokens_at_rank_64_and_64_tokens_at_rank_32(
@@ -62,9 +62,18 @@ def test_rows_on_one_adapter_run_in_segments_from_32_tokens_at_rank_64_and_64_to
     assert lora_tuning.step_path(tokens, rank, [3] * tokens) == path
 
 
+@pytest.mark.parametrize(("tokens", "rank", "path"), [
+    (80, 64, "sgmv"), (128, 64, "sgmv"), (80, 32, "sgmv"), (80, 17, "sgmv"), (79, 64, "bgmv"), (64, 32, "bgmv"),
+    (128, 16, "bgmv"),
+])
+def test_rows_spread_over_many_adapters_run_in_segments_from_80_tokens_at_rank_32_and_more(
+        segments_on, tokens, rank, path):
+    """Over 64 adapters: 1 or 2 rows per adapter."""
+    assert lora_tuning.step_path(tokens, rank, [t % 64 for t in range(tokens)]) == path
+
+
 @pytest.mark.parametrize(("adapters", "path"), [(1, "sgmv"), (8, "sgmv"), (9, "bgmv"), (64, "bgmv")])
-def test_rows_spread_over_many_adapters_stay_per_token(segments_on, adapters, path):
-    """64 rows: 8 rows per adapter or more share few adapters (`shares_few_adapters`)."""
+def test_few_adapters_are_8_rows_per_adapter_or_more(segments_on, adapters, path):
     assert lora_tuning.step_path(64, 64, [t % adapters for t in range(64)]) == path
 
 
@@ -72,29 +81,23 @@ def test_a_step_of_base_rows_only_stays_per_token(segments_on):
     assert lora_tuning.step_path(64, 64, [-1] * 64) == "bgmv"
 
 
-def test_steps_of_the_segment_path_by_size_keep_it_whatever_their_adapters(segments_on):
+def test_steps_of_the_segment_path_by_size_keep_it_whatever_their_rank_and_adapters(segments_on):
     tokens = lora_tuning.SGMV_MIN_TOKENS
-    assert not lora_tuning.shared_segments(tokens, 64)
     assert lora_tuning.step_path(tokens, 64, list(range(tokens))) == "sgmv"
     assert lora_tuning.step_path(tokens, 16, [0] * tokens) == "sgmv"
 
 
-def test_the_shared_segments_switch_turns_them_off(monkeypatch):
-    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "0")
-    assert not lora_tuning.shared_segments(64, 64)
+def test_the_decode_segments_switch_keeps_smaller_steps_per_token(monkeypatch):
+    monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, "0")
     assert lora_tuning.step_path(64, 64, [0] * 64) == "bgmv"
+    assert lora_tuning.step_path(96, 64, list(range(96))) == "bgmv"
+    assert lora_tuning.step_path(lora_tuning.SGMV_MIN_TOKENS, 64, [0] * lora_tuning.SGMV_MIN_TOKENS) == "sgmv"
 
 
-def test_the_shared_segments_switch_refuses_other_values(monkeypatch):
-    monkeypatch.setenv(lora_tuning.SHARED_SEGMENTS_ENV, "on")
-    with pytest.raises(ValueError, match="LORASERVE_LORA_SHARED_SEGMENTS must be '1' or '0'"):
-        lora_tuning.shared_segments(64, 64)
-
-
-def test_the_fold_switch_refuses_other_values(monkeypatch):
-    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "yes")
-    with pytest.raises(ValueError, match="LORASERVE_LORA_FOLD must be '1' or '0'"):
-        lora_tuning.fold_expand()
+def test_the_decode_segments_switch_refuses_other_values(monkeypatch):
+    monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, "on")
+    with pytest.raises(ValueError, match="LORASERVE_LORA_DECODE_SEGMENTS must be '1' or '0'"):
+        lora_tuning.path_for(64, 64, shared=True)
 
 
 @pytest.fixture
