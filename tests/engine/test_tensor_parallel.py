@@ -199,38 +199,39 @@ def test_a_steps_prefill_plan_reaches_the_workers_as_built():
     assert received.block_q == plan.block_q
 
 
-def test_a_steps_fold_choice_reaches_the_workers_as_the_driver_made_it():
+def _lora_as_workers_receive(slots: list[int], segments: bool = False, **choices):
+    """A decode step's LoRAStep (slots, in segments or not, and the driver's other `choices`) as a worker decodes it
+    from the step message."""
     import kernels
     from engine.parallel.messages import decode_step, encode_step
     from engine.step_input import AttentionMetadata, LoRAStep, StepInput
 
-    tokens = torch.arange(4)
-    fold_into = frozenset({"silu_and_mul"})
-    lora = LoRAStep(kernels.prepare_lora_metadata(torch.tensor([0, -1, 1, 0], dtype=torch.int32), 2),
-                    fold_into=fold_into)
+    n = len(slots)
+    tokens = torch.arange(n)
+    meta = kernels.prepare_lora_metadata(torch.tensor(slots, dtype=torch.int32), 2)
+    lora = LoRAStep(meta.in_segments() if segments else meta, **choices)
     step = StepInput(tokens, tokens, AttentionMetadata(
-        slot_mapping=tokens, block_tables=torch.zeros(4, 1, dtype=torch.long),
-        context_lens=torch.ones(4, dtype=torch.long), query_lens=[1] * 4, context_lens_list=[1] * 4, num_decode=4),
+        slot_mapping=tokens, block_tables=torch.zeros(n, 1, dtype=torch.long),
+        context_lens=torch.ones(n, dtype=torch.long), query_lens=[1] * n, context_lens_list=[1] * n, num_decode=n),
         lora=lora)
     kv_caches = [(torch.zeros(8, 16, 1, 4), torch.zeros(8, 16, 1, 4))]
-    received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).lora
+    return decode_step(encode_step(step, kv_caches), torch.device("cpu")).lora
+
+
+def test_a_steps_fold_choice_reaches_the_workers_as_the_driver_made_it():
+    fold_into = frozenset({"silu_and_mul"})
+    received = _lora_as_workers_receive([0, -1, 1, 0], fold_into=fold_into)
     assert received.fold_into == fold_into
-    assert torch.equal(received.meta.slots[:4], lora.meta.slots[:4])
+    assert received.meta.slots[:4].tolist() == [0, -1, 1, 0]
 
 
 def test_a_steps_tiled_fold_choice_reaches_the_workers_as_the_driver_made_it():
-    import kernels
-    from engine.parallel.messages import decode_step, encode_step
-    from engine.step_input import AttentionMetadata, LoRAStep, StepInput
-
-    tokens = torch.arange(32)
     fold = frozenset({"silu_and_mul", "add_rms_norm"})
-    lora = LoRAStep(kernels.prepare_lora_metadata(torch.zeros(32, dtype=torch.int32), 2), fold_into=fold,
-                    tiled_folds=frozenset({"silu_and_mul"}))
-    step = StepInput(tokens, tokens, AttentionMetadata(
-        slot_mapping=tokens, block_tables=torch.zeros(32, 1, dtype=torch.long),
-        context_lens=torch.ones(32, dtype=torch.long), query_lens=[1] * 32, context_lens_list=[1] * 32,
-        num_decode=32), lora=lora)
-    kv_caches = [(torch.zeros(8, 16, 1, 4), torch.zeros(8, 16, 1, 4))]
-    received = decode_step(encode_step(step, kv_caches), torch.device("cpu")).lora
+    received = _lora_as_workers_receive([0] * 32, fold_into=fold, tiled_folds=frozenset({"silu_and_mul"}))
     assert received.tiled_folds == frozenset({"silu_and_mul"})
+
+
+@pytest.mark.parametrize(("segments", "path"), [(True, "sgmv"), (False, "bgmv")])
+def test_a_steps_choice_of_segments_reaches_the_workers_as_the_driver_made_it(segments, path):
+    """A 32-row step is per token by size unless the driver chose segments (`lora_tuning.step_path`)."""
+    assert _lora_as_workers_receive([0] * 32, segments=segments).meta.path == path
