@@ -86,14 +86,20 @@ def lora_key(bucket: int, max_rank: int, rank_width: int | None, shared: bool) -
     return GraphKey(bucket, True, tiled, rank_width)
 
 
+def rank_widths(max_rank: int) -> list[int | None]:
+    """The rank widths a bucket's LoRA graphs are captured at: the slots' whole width (None), and a narrower one
+    where there is one (`lora_tuning.narrow_rank_width`)."""
+    narrow = lora_tuning.narrow_rank_width(max_rank)
+    return [None] if narrow is None else [None, narrow]
+
+
 def bucket_keys(bucket: int, num_lora_slots: int, max_rank: int) -> list[GraphKey]:
     """The graphs captured for a bucket: without the LoRA work; with adapter slots (of rank `max_rank`) also with
-    it, at the slots' whole width and at a narrower rank width where there is one (`lora_tuning.narrow_rank_width`),
-    for rows spread over many adapters, then for rows that share few adapters where that graph differs (`lora_key`)."""
+    it at each rank width (`rank_widths`), for rows spread over many adapters, then for rows that share few adapters
+    where that graph differs (`lora_key`)."""
     keys = [GraphKey(bucket, False)]
     if num_lora_slots:
-        widths = [None, lora_tuning.narrow_rank_width(max_rank)]
-        widths = widths[:1] if widths[1] is None else widths
+        widths = rank_widths(max_rank)
         spread = [lora_key(bucket, max_rank, width, shared=False) for width in widths]
         shared = [lora_key(bucket, max_rank, width, shared=True) for width in widths]
         keys += spread + [key for key in shared if key not in spread]
@@ -107,10 +113,9 @@ def captured_lora_keys(buckets: list[int], num_lora_slots: int,
     graph that does not exist."""
     if not num_lora_slots:
         return {}
-    widths = {None, lora_tuning.narrow_rank_width(max_rank)}
     return {(bucket, width): (lora_key(bucket, max_rank, width, shared=False),
                               lora_key(bucket, max_rank, width, shared=True))
-            for bucket in buckets for width in widths}
+            for bucket in buckets for width in rank_widths(max_rank)}
 
 
 def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: list[int],

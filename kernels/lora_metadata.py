@@ -82,8 +82,8 @@ class LoRAMetadata:
         return "sgmv" if self.segments else lora_tuning.choose_path(self.num_tokens)
 
     def in_segments(self) -> LoRAMetadata:
-        """The same buffers, read by the kernels in segments whatever the token count: a step whose rows share few
-        adapters (`lora_tuning.step_path`). Preparing either fills both."""
+        """The same buffers, read by the kernels in segments whatever the token count, for a step that chose them
+        (`lora_tuning.step_path`). Preparing either fills both."""
         return replace(self, segments=True)
 
     @property

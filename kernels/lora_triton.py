@@ -4,8 +4,8 @@ Two paths per op, as the metadata says (`LoRAMetadata.path`: by batch size, `lor
 segments where the step chose them, `lora_tuning.step_path`):
 - BGMV, one program per token: decode, where most tokens carry distinct adapters.
 - SGMV, one program per tile of same-slot tokens (from `LoRAMetadata`), a tensor-core dot
-  per tile: prefill and large batches, and decode steps whose rows share few adapters of rank above 16, where a
-  tile reads its adapter once for many rows.
+  per tile: prefill and large batches, and decode-sized steps at ranks above 16 (`lora_tuning.SEGMENTS_FROM`: from
+  fewer rows when they share few adapters), where a tile reads its adapter once for many rows.
 Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
 on shapes only and every launch reads its indices from device tensors, so the calls can be
 captured in a CUDA graph. h is float32; accumulation is float32.
