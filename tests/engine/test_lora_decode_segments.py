@@ -3,8 +3,9 @@ in segments (`lora_tuning.step_path`, `LoRAMetadata.in_segments`): an engine who
 kernels at rank 64 generates the tokens it generates with `LORASERVE_LORA_DECODE_SEGMENTS=0`, on the per-token ones.
 
 Without CUDA the Triton kernels run under the interpreter, which Triton picks when it is imported: the test runs in
-a fresh interpreter process unless this one can run it already. The GPU test replays the decode graphs captured in
-segments with other steps' slots against eager steps on the per-token path.
+a fresh interpreter process unless this one can run it already. The GPU tests replay the decode graphs captured in
+segments, for rows that share few adapters (32 rows) and for rows spread over many (96 rows), with other steps' slots
+against eager steps on the per-token path.
 """
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # compiled Triton kerne
 # 32 rows: 16 on one adapter, 8 on another, 8 on the base model (12 adapter rows per adapter: few adapters); the
 # prompts' first tokens come from prefill steps, the second from a decode step of all 32 rows
 ROW_ADAPTERS = [0] * 16 + [1] * 8 + [None] * 8
+# 96 rows over 16 adapters (6 rows each: spread), from 80 rows in segments at rank 64
+SPREAD_ROW_ADAPTERS = [i % 16 for i in range(96)]
 PROMPTS = ["Hello world", "The capital of France is", "def add(a, b):", "SELECT name FROM"] * 8
 PARAMS = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 GPU_PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)  # 7 decode steps a batch
 RANK = 64
 
 
-def _adapters(model_dir: Path, root: Path) -> list[LoRARequest]:
+def _adapters(model_dir: Path, root: Path, count: int = 2) -> list[LoRARequest]:
     return [LoRARequest(f"a{seed}", seed, str(make_peft_adapter(model_dir, root / f"a{seed}", r=RANK, seed=seed)))
-            for seed in (1, 2)]
+            for seed in range(1, count + 1)]
 
 
 def _loras(adapters: list[LoRARequest], rows: list[int | None]) -> list[LoRARequest | None]:
@@ -85,12 +88,15 @@ def test_decode_steps_of_many_rows_on_few_adapters_run_in_segments_and_generate_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("rows", [ROW_ADAPTERS, SPREAD_ROW_ADAPTERS], ids=["shared", "spread"])
 def test_segment_decode_graphs_replay_other_steps_slots_as_per_token_eager_steps_run(tiny_llama, tmp_path,
-                                                                                    monkeypatch):
-    """The segment graph of the 32-row bucket, captured with padding slots, replayed for two batches whose rows use
+                                                                                    monkeypatch, rows):
+    """The segment graph of the rows' bucket, captured with padding slots, replayed for two batches whose rows use
     the adapters in other orders, gives the tokens of eager steps on the per-token path."""
-    adapters = _adapters(tiny_llama, tmp_path)
-    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=RANK)
+    count = max(i for i in rows if i is not None) + 1
+    adapters = _adapters(tiny_llama, tmp_path, count)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(rows))]
+    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=count, max_lora_rank=RANK)
     monkeypatch.delenv(lora_tuning.DECODE_SEGMENTS_ENV, raising=False)
     graphs = LLM(str(tiny_llama), **kwargs)
     monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, "0")
@@ -99,11 +105,11 @@ def test_segment_decode_graphs_replay_other_steps_slots_as_per_token_eager_steps
         for lora in adapters:
             llm.engine.lora_manager.add(lora)
     replayed = record_replays(graphs)
-    for rows in (ROW_ADAPTERS, list(reversed(ROW_ADAPTERS))):
+    for order in (rows, list(reversed(rows))):
         replayed.clear()
-        segments = graphs.generate(PROMPTS, GPU_PARAMS, lora_request=_loras(adapters, rows), use_tqdm=False)
+        segments = graphs.generate(prompts, GPU_PARAMS, lora_request=_loras(adapters, order), use_tqdm=False)
         assert any(key.segments for key in replayed)
-        per_token = eager.generate(PROMPTS, GPU_PARAMS, lora_request=_loras(adapters, rows), use_tqdm=False)
+        per_token = eager.generate(prompts, GPU_PARAMS, lora_request=_loras(adapters, order), use_tqdm=False)
         assert [o.outputs[0].token_ids for o in segments] == [o.outputs[0].token_ids for o in per_token]
 
 
