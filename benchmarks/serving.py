@@ -4,7 +4,7 @@
     python benchmarks/serving.py --shape small --num-requests 16 --device cpu  # a smoke run of the code
 
 No weights are downloaded: the model has random weights at the real shapes (`load_format="dummy"`)
-and the adapters are random peft directories of rank 16 on all 7 projections, written to disk
+and the adapters are random peft directories of rank 16 (`--adapter-rank`) on all 7 projections, written to disk
 (adapter i of a large population is a directory whose weight file is a link to one of
 `--unique-adapters` files, so a thousand adapters take the disk of a few).
 
@@ -504,8 +504,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--unique-adapters", type=int, default=16)
-    parser.add_argument("--max-lora-rank", type=int, default=16,
-                        help="the engines' slot rank; the adapters are rank 16, padded up to it in their slots")
+    parser.add_argument("--adapter-rank", type=int, default=16, help="the adapters' rank")
+    parser.add_argument("--max-lora-rank", type=int,
+                        help="the engines' slot rank (default: the adapters' rank); adapters of a lower rank are padded "
+                             "up to it in their slots")
     parser.add_argument("--sweep", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--online-rate", type=float, default=8.0)
     parser.add_argument("--online-requests", type=int, default=96)
@@ -533,6 +535,11 @@ def main() -> None:
                         help="freeze each engine's start-up heap out of the garbage collector's reach, as `loraserve "
                              "serve` does (by default only the online run does)")
     args = parser.parse_args()
+    if args.online_requests < 1:
+        parser.error("--online-requests must be at least 1 (its latency percentiles need a request)")
+    args.max_lora_rank = args.max_lora_rank or args.adapter_rank
+    if args.max_lora_rank < args.adapter_rank:
+        parser.error(f"--max-lora-rank {args.max_lora_rank} is below the adapters' rank {args.adapter_rank}")
     began = time.perf_counter()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -540,7 +547,9 @@ def main() -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
     model_dir = make_model_dir(work, args.shape)
     t = time.perf_counter()
-    paths = make_adapters(work / f"adapters-{args.shape}", model_dir, args.shape, 1000, args.unique_adapters)
+    rank_suffix = "" if args.adapter_rank == 16 else f"-r{args.adapter_rank}"
+    paths = make_adapters(work / f"adapters-{args.shape}{rank_suffix}", model_dir, args.shape, 1000,
+                          args.unique_adapters, rank=args.adapter_rank)
     log(f"adapters written in {time.perf_counter() - t:.1f}s")
     RESULTS["config"] = vars(args)
     gpu = args.device == "cuda"
@@ -600,7 +609,8 @@ def main() -> None:
         if gpu:
             RESULTS["decode_lora_b64"] = decode_step_profile(engine, 64, args.prompt_len, requests[:64], vocab,
                                                               out / "profile_lora_b64.txt")
-            RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth)
+            RESULTS["decode_lora_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 64, bandwidth,
+                                                                    rank=args.adapter_rank)
             log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
         save(out)
         if not over_budget():
