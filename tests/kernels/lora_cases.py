@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import pytest
@@ -241,8 +241,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
+@cache
 def triton_runs_in_process() -> bool:
-    """Whether the Triton kernels can run here: on CUDA, or interpreted with Triton imported in interpreter mode."""
+    """Whether the Triton kernels can run here: on CUDA, or interpreted with Triton imported in interpreter mode
+    (a fact of the process, found once)."""
     from kernels import lora_triton
 
     x = torch.ones(1, 16, device="cuda" if torch.cuda.is_available() else "cpu")
@@ -252,6 +254,13 @@ def triton_runs_in_process() -> bool:
     except Exception:  # noqa: BLE001 - any failure means "not in this process"
         return False
     return h.item() == 16.0
+
+
+def skip_without_triton() -> pytest.MarkDecorator:
+    """The mark that skips a test (or, as `pytestmark`, a module) where the Triton kernels cannot run in this
+    process (`triton_runs_in_process`); a function, so that importing this module does not import Triton."""
+    return pytest.mark.skipif(not triton_runs_in_process(),
+                              reason="Triton was imported before its interpreter could be enabled")
 
 
 @dataclass

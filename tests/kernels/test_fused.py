@@ -7,11 +7,10 @@ import pytest
 import torch
 
 from kernels import fused_torch
-from tests.kernels.lora_cases import record_calls, relative_error, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, relative_error, skip_without_triton, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_runs_in_process(),
-                                  reason="Triton was imported before its interpreter could be enabled")
+needs_triton = skip_without_triton()
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 

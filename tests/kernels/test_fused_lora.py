@@ -27,6 +27,7 @@ from tests.kernels.lora_cases import (
     packed_weights,
     replays_the_next_step,
     same,
+    skip_without_triton,
     slots_tensor,
     triton_runs_in_process,
     within_a_rounding,
@@ -37,8 +38,7 @@ SLOTS = [3, -1, 0, 3, 1, -1, 4]  # several adapters, one used twice, base-model 
 BASE_ROWS = [t for t, slot in enumerate(SLOTS) if slot < 0]
 RANK = 12
 EPS = 1e-6
-needs_triton = pytest.mark.skipif(not triton_runs_in_process(),
-                                  reason="Triton was imported before its interpreter could be enabled")
+needs_triton = skip_without_triton()
 
 
 @dataclass

@@ -29,13 +29,12 @@ from tests.kernels.lora_cases import (
     relative_error,
     replays_the_next_step,
     same_op,
+    skip_without_triton,
     slots_tensor,
-    triton_runs_in_process,
     within_a_rounding,
 )
 
-pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
-                                reason="Triton was imported before its interpreter could be enabled")
+pytestmark = skip_without_triton()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

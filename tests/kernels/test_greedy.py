@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from kernels import greedy as greedy_module
-from tests.kernels.lora_cases import record_calls, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, skip_without_triton, triton_runs_in_process
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON = triton_runs_in_process()
-needs_triton = pytest.mark.skipif(not TRITON, reason="Triton was imported before its interpreter could be enabled")
+needs_triton = skip_without_triton()
 
 
 def _impls():

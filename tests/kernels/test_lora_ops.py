@@ -27,15 +27,14 @@ from tests.kernels.lora_cases import (
     random_weights,
     relative_error,
     shrink_reference,
+    skip_without_triton,
     slots_tensor,
     triton_runs_in_process,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TRITON_HERE = triton_runs_in_process()
-needs_triton = pytest.mark.skipif(
-    not TRITON_HERE, reason="Triton was imported before its interpreter could be enabled: see the subprocess test"
-)
+needs_triton = skip_without_triton()  # the subprocess test runs them then
 K, RANK = 70, 20
 WIDTHS = (40, 24, 13)
 POISON = -7777.0

@@ -27,12 +27,11 @@ from tests.kernels.lora_cases import (
     relative_error,
     same_op,
     shrink_reference,
+    skip_without_triton,
     slots_tensor,
-    triton_runs_in_process,
 )
 
-pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
-                                reason="Triton was imported before its interpreter could be enabled")
+pytestmark = skip_without_triton()
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NAN = float("nan")

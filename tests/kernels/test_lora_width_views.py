@@ -32,14 +32,14 @@ from tests.kernels.lora_cases import (
     relative_error,
     same_op,
     shrink_reference,
+    skip_without_triton,
     slots_tensor,
     triton_runs_in_process,
     width_view,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-needs_triton = pytest.mark.skipif(not triton_runs_in_process(),
-                                  reason="Triton was imported before its interpreter could be enabled")
+needs_triton = skip_without_triton()
 # slot 1 spans several 4-row tiles; base rows between
 SLOTS = [3, 1, 0, -1, 2, 1, 4, 1, -1, 0, 3, 2, 1, 1]
 K = 70

@@ -7,11 +7,10 @@ import torch
 
 from kernels.attention import decode_attention, write_kv_torch
 from kernels.attention import paged_attention_decode as torch_decode
-from tests.kernels.lora_cases import record_calls, relative_error, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, relative_error, skip_without_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
-                                reason="Triton was imported before its interpreter could be enabled")
+pytestmark = skip_without_triton()
 BLOCK_SIZE, DIM = 16, 16
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3}
 

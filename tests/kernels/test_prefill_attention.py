@@ -14,11 +14,10 @@ from kernels.prefill_attention_triton import (
     PrefillPlan,
     paged_attention_prefill,
 )
-from tests.kernels.lora_cases import record_calls, relative_error, triton_runs_in_process
+from tests.kernels.lora_cases import record_calls, relative_error, skip_without_triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(not triton_runs_in_process(),
-                                reason="Triton was imported before its interpreter could be enabled")
+pytestmark = skip_without_triton()
 DIM, SCALE = 16, 0.3
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
