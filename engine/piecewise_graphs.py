@@ -15,6 +15,10 @@ reads and use no adapter; attention runs on the real rows only. The pieces of a 
 pool with the other buckets and replay in the order they were captured, so what one piece hands the next
 (the residual stream, in the pool: the eager attention between allocates outside it) may reuse memory a
 piece before freed, and a bucket may reuse another's.
+
+A bucket's LoRA kernels take the path of its size (`lora_tuning.choose_path`), or segments below it where
+every step of the bucket would take them at the slots' rank, however its rows spread over adapters
+(`lora_tuning.path_for`: at ranks above 16, from 80 tokens); one capture serves both.
 """
 from __future__ import annotations
 
@@ -72,8 +76,11 @@ class PiecewiseGraphs:
         ids, positions, slots = self.rows[:3, :size]
         lora = None
         if self.num_lora_slots:
-            self.lora_meta[size] = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
-            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(lora_tuning.choose_path(size)))
+            meta = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
+            # in segments where every step of the bucket would take them, however its rows spread over adapters
+            paths = {lora_tuning.path_for(size, self.lora_slot_ranks.max_rank, shared) for shared in (False, True)}
+            self.lora_meta[size] = meta.in_segments() if paths == {"sgmv"} else meta
+            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(self.lora_meta[size].path))
         # the pieces read only the KV slots; attention, which reads the rest, runs outside them
         attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),
                                       context_lens=slots.new_empty(0), query_lens=[], context_lens_list=[],

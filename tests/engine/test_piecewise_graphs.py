@@ -76,9 +76,14 @@ def _compare_with_the_eager_forward(engine: LLMEngine, scheduled, slots) -> None
         torch.testing.assert_close(v_pieces[:scratch], v_eager[:scratch], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("model, enable_lora", [("tiny_llama", True), ("tiny_qwen2", True), ("tiny_llama", False)])
-def test_mixed_steps_from_the_pieces_match_the_eager_forward(model, enable_lora, request):
-    engine = _engine(request.getfixturevalue(model), enable_lora=enable_lora)
+@pytest.mark.parametrize("model, enable_lora, max_lora_rank", [
+    ("tiny_llama", True, 16), ("tiny_qwen2", True, 16), ("tiny_llama", False, 16),
+    ("tiny_llama", True, 64),  # the 128-token bucket in segments (`lora_tuning.path_for`)
+])
+def test_mixed_steps_from_the_pieces_match_the_eager_forward(model, enable_lora, max_lora_rank, request):
+    engine = _engine(request.getfixturevalue(model), enable_lora=enable_lora, max_lora_rank=max_lora_rank)
+    if enable_lora:
+        assert engine.runner.piecewise.lora_meta[128].segments == (max_lora_rank == 64)
     if enable_lora:
         _random_adapter_slots(engine, seed=3)
     rng = random.Random(model)
