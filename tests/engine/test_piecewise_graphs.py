@@ -84,7 +84,6 @@ def test_mixed_steps_from_the_pieces_match_the_eager_forward(model, enable_lora,
     engine = _engine(request.getfixturevalue(model), enable_lora=enable_lora, max_lora_rank=max_lora_rank)
     if enable_lora:
         assert engine.runner.piecewise.lora_meta[128].segments == (max_lora_rank == 64)
-    if enable_lora:
         _random_adapter_slots(engine, seed=3)
     rng = random.Random(model)
     for num_decode, prompts in STEPS:
