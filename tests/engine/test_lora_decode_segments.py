@@ -96,7 +96,9 @@ def test_segment_decode_graphs_replay_other_steps_slots_as_per_token_eager_steps
     count = max(i for i in rows if i is not None) + 1
     adapters = _adapters(tiny_llama, tmp_path, count)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(rows))]
-    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=count, max_lora_rank=RANK)
+    # every row in one decode batch (max_num_seqs defaults to 64)
+    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=count, max_lora_rank=RANK,
+                  max_num_seqs=len(rows))
     monkeypatch.delenv(lora_tuning.DECODE_SEGMENTS_ENV, raising=False)
     graphs = LLM(str(tiny_llama), **kwargs)
     monkeypatch.setenv(lora_tuning.DECODE_SEGMENTS_ENV, "0")
