@@ -54,6 +54,7 @@ from engine.sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 DECODE_BASE_MS, DECODE_ROW_MS, PREFILL_TOKEN_MS = 5.3, 0.037, 0.026
 MAX_MODEL_LEN = 512 + 128 + 64  # serving.py's max_model_len for (d)
 BLOCK_SIZE = 16
+ADAPTER_RANK = 1  # the manager's slots are rank 1 (`_OneLinear`)
 
 
 @dataclass
@@ -124,15 +125,16 @@ class StepReadManager(LoRAManager):
         self._due.append((self.step + self.read_steps, future))
         return future
 
-    def _read(self, lora_request: LoRARequest, row: int, last_copy) -> None:
-        """A synchronous read (a host copy evicted before its slot load): instant."""
+    def _read(self, lora_request: LoRARequest, row: int, last_copy) -> int:
+        """A synchronous read (a host copy evicted before its slot load): instant; the adapter's rank."""
+        return ADAPTER_RANK
 
     def advance(self) -> None:
         """One step later: finish the reads now due."""
         self.step += 1
         for due, future in list(self._due):
             if due <= self.step:
-                future.set_result(None)
+                future.set_result(ADAPTER_RANK)  # a read's result: the adapter's rank
                 self._due.remove((due, future))
 
 

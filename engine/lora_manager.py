@@ -79,6 +79,8 @@ class LoRAManager:
         self._row_ranks = [0] * max_cpu_loras  # the rank of the adapter each host row holds
         self.known: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, int] = OrderedDict()  # adapter id -> its row of the host pool, LRU first
+        # host copies no slot has loaded since they were cached: reading ahead never evicts one of them
+        self._unused: set[int] = set()
         self.slot_owner: list[int | None] = [None] * max_loras
         self.pins: Counter[int] = Counter()
         self._takeable: int | None = None  # takeable_slots(), until a slot's owner or pins change
@@ -177,11 +179,12 @@ class LoRAManager:
         return self._failed_reads.pop(lora_request.lora_int_id, None)
 
     def _may_read(self, pinnable: bool) -> bool:
-        """Reads in flight stay within the slots they could fill (or the host cache's free room), so
-        an adapter read early is not evicted by the next one before it gets its slot."""
+        """Reads ahead take the host cache's free room, or the row of a copy a slot has loaded since it was
+        cached (the slot holds its own), so an adapter read early is not evicted by the next one before it
+        gets its slot; past that, reads in flight stay within the slots they could fill."""
         if len(self._reads) >= min(self.MAX_READS_IN_FLIGHT, self.max_cpu_loras):
             return False
-        if len(self.host) + len(self._reads) < self.max_cpu_loras:
+        if len(self.host) + len(self._reads) < self.max_cpu_loras or len(self.host) > len(self._unused):
             return True
         return pinnable and len(self._reads) < self.takeable_slots()
 
@@ -272,10 +275,11 @@ class LoRAManager:
 
     def _reserve_row(self) -> int:
         """A host row to read an adapter into: a free one, else the least recently used copy's (a
-        device slot keeps its own copy), else the first row a read in flight fills."""
+        device slot keeps its own copy), a slot having loaded it if one has, else the first row a read in
+        flight fills."""
         while not self._free_rows:
             if self.host:
-                self._free_rows.append(self.host.popitem(last=False)[1])
+                self._drop_host_copy(next((i for i in self.host if i not in self._unused), next(iter(self.host))))
             else:
                 self.wait_for_reads(timeout=None)
                 self.collect_reads()
@@ -310,8 +314,10 @@ class LoRAManager:
     def _cache(self, int_id: int, row: int) -> None:
         self._drop_host_copy(int_id)
         self.host[int_id] = row
+        self._unused.add(int_id)
 
     def _drop_host_copy(self, int_id: int) -> None:
+        self._unused.discard(int_id)
         row = self.host.pop(int_id, None)
         if row is not None:
             self._free_rows.append(row)
@@ -338,6 +344,7 @@ class LoRAManager:
         if self.on_slot_load is not None:
             self.on_slot_load(lora_request, slot)
         row = self._host_row(lora_request)
+        self._unused.discard(lora_request.lora_int_id)
         rank = self._row_ranks[row]
         if self._copy_stream is None:
             self._slots[slot].copy_(self._pool[row])
