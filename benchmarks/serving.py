@@ -203,6 +203,26 @@ def collector_pauses():
         gc.callbacks.remove(note)
 
 
+@contextlib.contextmanager
+def kernel_compiles(steps: list):
+    """Each Triton kernel variant first launched in this process while the block runs, as (step, variant):
+    after the warm-up, a compile (or a load from Triton's disk cache) that stalls the step it falls in.
+    `steps` is the list the block appends a row to per step."""
+    from triton import knobs
+
+    compiles = []
+
+    def note(**hook) -> bool:
+        compiles.append((len(steps), hook["repr"]))
+        return False  # compile as usual
+
+    previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, note
+    try:
+        yield compiles
+    finally:
+        knobs.runtime.jit_cache_hook = previous
+
+
 def _pause_summary(pauses: list[tuple[int, float]]) -> dict:
     oldest = [seconds for generation, seconds in pauses if generation == 2]
     return dict(gc_collections=len(pauses), gc_seconds=sum(seconds for _, seconds in pauses),
@@ -221,7 +241,7 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     decode_walls, batch_sizes, timeline = [], [], []
     phases = time_phases(engine) if timeline_to is not None else {}
     before = engine.stats()
-    with collector_pauses() as pauses:
+    with collector_pauses() as pauses, kernel_compiles(timeline) as compiles:
         while engine.has_unfinished_requests():
             prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
             t = time.perf_counter()
@@ -247,7 +267,7 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
                 idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls),
-                **_stalls(decode_walls), **_pause_summary(pauses))
+                **_stalls(decode_walls), **_pause_summary(pauses), kernel_compiles=compiles)
 
 
 def _stalls(decode_walls: list[float]) -> dict:
