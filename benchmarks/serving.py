@@ -546,8 +546,10 @@ def main() -> None:
                              "GIL switch interval)")
     parser.add_argument("--adapter-reader", choices=("auto", "threads", "process"), default="auto",
                         help="where the engines read adapters in the background (EngineConfig.adapter_reader)")
-    parser.add_argument("--admission-order", choices=ADMISSION_ORDERS, default="fcfs",
-                        help="the order the engines admit waiting requests in (EngineConfig.admission_order)")
+    parser.add_argument("--admission-order", choices=ADMISSION_ORDERS, default="balanced",
+                        help="the order the engines admit waiting requests in for the offline workloads "
+                             "(EngineConfig.admission_order; the default is the offline LLM's); the online run "
+                             "admits in arrival order, as `loraserve serve` does")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="CUDA graphs for decode steps only, or for mixed steps' pieces too (EngineConfig)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")
@@ -634,6 +636,7 @@ def main() -> None:
             log(f"decode 64 adapters b64: {RESULTS['decode_lora_b64']}")
         save(out)
         if not over_budget():
+            engine.scheduler.admission_order = "fcfs"  # as `loraserve serve` admits
             async_engine = AsyncEngine(engine=engine)
             freeze_startup_heap()  # as `loraserve serve` does once started; unfrozen before the engine is dropped
 

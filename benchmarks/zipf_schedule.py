@@ -12,8 +12,9 @@ decode step left in flight, continued by `schedule_decode`, and drained by a ste
 What is not real: the manager's model is one 1×1 LoRA linear (slots and host rows hold nothing that
 matters), and its disk reads are futures that finish `--read-steps` steps after they were submitted
 (1: ready for the next step's admission). An adapter read takes about 80 ms on the H200 host, one
-prefill step 210 ms and ten decode steps; the default, 3, gives the H200 run's 5 idle steps at the
-start. The KV cache has the blocks the engine gives (d) on the H200 (128 sequences × 704 tokens), so
+prefill step 210 ms and ten decode steps; the default, 10, gives the step counts of the H200's runs (before
+reads ahead could take the rows of copies slots had loaded: fcfs 946 and 951 steps against 950 here, balanced
+831 and 861 against 831). The KV cache has the blocks the engine gives (d) on the H200 (128 sequences × 704 tokens), so
 nothing is preempted. GPU time is a cost model of the H200 steps: 5.3 ms + 0.037 ms per decode row +
 0.026 ms per prompt token (a fit of BENCHMARKS.md's decode steps at batch 16–128 with 64 adapters, and
 ~210 ms per 8192-token prefill step); a drain or idle step costs nothing.
@@ -22,11 +23,12 @@ The counts are the serving benchmark's timeline counts: a step is decode-only wh
 sequence had its prompt computed before it and the number waiting did not change; the mean batch is the
 number running after each step, over all steps.
 
-Results (seed 0, read delay 3): fcfs 915 steps, 857 decode-only, mean running 71.4, 14.04 s estimated
-(the H200 measured 916, 857, 71.3); balanced 795 steps, 742, 82.3, 13.40 s (-4.6%). No order can do much
-better: an adapter holds its slot for at least 129 steps (its prefill and 128 decodes), and 173 adapters in
-32 slots put 6 of them in one slot, so at least 774 steps; the decode rows cost the same in any order, and
-the prompt tokens' 6.8 s too, so the rest is 5.3 ms per step.
+Results (seed 0, read delay 10): fcfs 930 steps, 874 decode-only, mean running 70.2, 14.08 s estimated
+(the H200 measured 909 and 910 steps); balanced 807 steps, 759, 81.3, 13.42 s (-4.7%; the H200: 797 and 800).
+No order can do much better: an adapter holds its slot for at least 129 steps (its prefill and 128 decodes),
+and 173 adapters in 32 slots put 6 of them in one slot, so at least 774 steps (balanced with reads that take
+one step: 780); the decode rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is
+5.3 ms per step.
 """
 from __future__ import annotations
 
@@ -289,7 +291,7 @@ def _time_schedule_calls(scheduler: Scheduler) -> list[float]:
     return spent
 
 
-def simulate(admission_order: str = "fcfs", read_steps: int = 3, async_scheduling: bool = True,
+def simulate(admission_order: str = "fcfs", read_steps: int = 10, async_scheduling: bool = True,
              workload: Workload | None = None) -> Result:
     return Simulation(workload or Workload(), admission_order, read_steps, async_scheduling).run()
 
@@ -297,12 +299,12 @@ def simulate(admission_order: str = "fcfs", read_steps: int = 3, async_schedulin
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--admission-order", nargs="*", choices=ADMISSION_ORDERS, default=[ADMISSION_ORDERS[0]])
-    parser.add_argument("--read-steps", type=int, nargs="*", default=[3],
+    parser.add_argument("--read-steps", type=int, nargs="*", default=[10],
                         help="steps an adapter read takes (1: ready for the next step)")
     parser.add_argument("--sync", action="store_true", help="synchronous steps (no async scheduling)")
     parser.add_argument("--seed", type=int, default=0, help="the Zipf picks' seed (serving.py's is 0)")
     args = parser.parse_args()
-    print("H200 (d), sixth session: 916 steps, 857 decode-only, 59 admitting, 5 idle, mean running 71.3")
+    print("H200 (d), eighteenth session: fcfs 909 and 910 steps, balanced 797 and 800")
     for read_steps in args.read_steps:
         for order in args.admission_order:
             t = time.perf_counter()

@@ -18,11 +18,16 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto", device: str = "auto",
                  max_model_len: int | None = None, max_num_seqs: int = 64, enable_lora: bool = False,
                  max_loras: int = 1, max_lora_rank: int = 16, max_cpu_loras: int | None = None, seed: int = 0,
-                 tensor_parallel_size: int = 1, **engine_kwargs):
+                 tensor_parallel_size: int = 1, admission_order: str = "balanced", **engine_kwargs):
+        """admission_order: "balanced" by default, unlike the engine and the server (arrival order): a batch
+        handed to `generate` arrives at once and comes back in its own order, so admitting it adapter by
+        adapter costs no one a place in a queue, and with more adapters than slots it takes fewer steps
+        (BENCHMARKS.md, workload (d))."""
         self.engine = LLMEngine(EngineConfig(
             model=model, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             enable_lora=enable_lora, max_loras=max_loras, max_lora_rank=max_lora_rank,
-            max_cpu_loras=max_cpu_loras, seed=seed, tensor_parallel_size=tensor_parallel_size, **engine_kwargs,
+            max_cpu_loras=max_cpu_loras, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            admission_order=admission_order, **engine_kwargs,
         ))
 
     def get_tokenizer(self):

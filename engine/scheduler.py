@@ -8,9 +8,9 @@ the fewest running sequences) gets no new sequences until the starving one takes
 slot drains while the other adapters keep their traffic, and no request starves.
 
 `admission_order="balanced"` considers the waiting sequences adapter by adapter instead, picking the
-adapters that fill the slots and the batch together. On workload (d) it runs about 800 steps instead of
-915, but on the H200 it took longer (3568 and 3697 tok/s against 4042 for arrival order: its larger
-batches carry more distinct adapters per step), so arrival order stays the default.
+adapters that fill the slots and the batch together. On the H200's workload (d) it ran 797-800 steps instead
+of 909-910, at 4724-4847 tok/s against 4393-4628 (BENCHMARKS.md, eighteenth session). The offline `LLM`
+admits so by default; the engine and the server keep arrival order, which online clients see as fairness.
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ class Scheduler:
         most waiting sequences that leaves every other free slot its share of the batch (max_num_seqs /
         slots), else the one with the fewest; ties by first arrival. Each adapter's sequences then run
         together, so it holds its slot for one sequence's lifetime, and the batch stays as full as the
-        slots allow. Workload (d) in `benchmarks/zipf_schedule.py`: 795 steps instead of fcfs's 915."""
+        slots allow. Workload (d) in `benchmarks/zipf_schedule.py`: 807 steps instead of fcfs's 930."""
         slots = self.adapter_slots
         first_at: dict[int, int] = {}
         count: dict[int, int] = {}

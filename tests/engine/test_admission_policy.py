@@ -1,5 +1,6 @@
-"""The scheduler's admission orders: fcfs (the default) and balanced (adapters picked to fill slots and batch);
-and when admission is blocked on adapter slots, so that a decode step needs no admission pass."""
+"""The scheduler's admission orders: fcfs (the engine's and the server's default) and balanced (adapters picked to
+fill slots and batch; the offline `LLM`'s default); and when admission is blocked on adapter slots, so that a decode
+step needs no admission pass."""
 from __future__ import annotations
 
 import pytest
@@ -97,6 +98,13 @@ def test_the_engine_config_refuses_an_unknown_admission_order():
 def test_the_engine_schedules_in_the_configured_admission_order(tiny_llama):
     engine = make_engine(tiny_llama, admission_order="balanced")
     assert engine.scheduler.admission_order == "balanced"
+
+
+def test_offline_llm_admits_balanced_by_default_and_takes_another_order(tiny_llama):
+    from engine import LLM
+
+    assert LLM(str(tiny_llama), device="cpu").engine.scheduler.admission_order == "balanced"
+    assert LLM(str(tiny_llama), device="cpu", admission_order="fcfs").engine.scheduler.admission_order == "fcfs"
 
 
 def engine_with_full_slots(tiny_llama, adapters):

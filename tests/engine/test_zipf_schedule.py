@@ -17,7 +17,7 @@ SLOT_BOUND = math.ceil(DISTINCT_ADAPTERS / WORKLOAD.max_loras) * (WORKLOAD.outpu
 
 @pytest.fixture(scope="module")
 def results():
-    return {order: simulate(order, read_steps=10) for order in ("fcfs", "balanced")}
+    return {order: simulate(order) for order in ("fcfs", "balanced")}
 
 
 @pytest.mark.parametrize("order", ["fcfs", "balanced"])
