@@ -180,3 +180,29 @@ def test_steps_of_any_size_compile_no_kernel_after_the_engine_starts(tiny_llama,
     while engine.has_unfinished_requests():
         engine.step()
     assert compiled == []
+
+
+def test_decode_attention_of_any_row_count_and_width_compiles_nothing_after_the_engine_starts(tiny_llama, monkeypatch):
+    """A mixed step's decode rows launch the decode attention eagerly, in their count's tuning class and split as
+    far as count and table width say: 33 rows (the 64-row class, split in two at Llama-3-8B's 8 KV heads) once
+    compiled in the middle of an H200 run. Here every count up to 128 rows and every table width."""
+    from triton import knobs
+
+    from kernels import paged_attention_triton
+    from kernels.attention import decode_attention
+
+    for kernel in (paged_attention_triton._decode_kernel, paged_attention_triton._combine_kernel):
+        kernel.device_caches.clear()  # what earlier tests compiled in this process must not hide a compile
+    llm = LLM(str(tiny_llama), device="cuda", dtype="bfloat16", max_num_seqs=128, max_model_len=512)
+    compiled = []
+    monkeypatch.setattr(knobs.runtime, "jit_cache_hook", lambda **hook: compiled.append(hook["repr"]) or False)
+    runner, scratch = llm.engine.runner, llm.engine.allocator.num_blocks
+    attn = runner.model.layers[0].self_attn
+    k_cache, v_cache = runner.kv_caches[0]
+    for rows in range(1, 129):
+        q = torch.zeros(rows, attn.num_heads, attn.head_dim, dtype=k_cache.dtype, device="cuda")
+        lens = torch.ones(rows, dtype=torch.long, device="cuda")
+        for width in range(1, 512 // runner.block_size + 1):
+            tables = torch.full((rows, width), scratch, dtype=torch.long, device="cuda")
+            decode_attention(q, k_cache, v_cache, tables, lens, attn.scale)
+    assert compiled == []
