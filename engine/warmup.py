@@ -58,8 +58,10 @@ def warm_up_decode_attention(runner: ModelRunner, *, max_num_seqs: int, max_mode
     """Decode attention over the scratch block for every row count up to max_num_seqs, with a one-block table
     and one as wide as max_model_len: a mixed step's decode rows launch with their batch's tuning class and,
     past a few blocks, split the context as far as their count says, and each such variant compiles on first
-    use. Powers of two alone missed some: 33 rows take the 64-row class, split in two (a 753 ms step of
-    workload (d) on the H200). Once compiled, a launch costs tens of microseconds."""
+    use. Powers of two alone missed counts just past one: at 8 KV heads, 33 rows take the 64-row class split in
+    two, 65 and 66 the 128-row class split in two (a 753 ms step of workload (d) on the H200, its decode kernel
+    compiled with the 2 warps of those classes, and the combine launch). Once compiled, a launch costs tens of
+    microseconds."""
     attn = runner.model.layers[0].self_attn
     k_cache, v_cache = runner.kv_caches[0]
     widths = sorted({1, -(-max_model_len // runner.block_size)})

@@ -184,8 +184,9 @@ def test_steps_of_any_size_compile_no_kernel_after_the_engine_starts(tiny_llama,
 
 def test_decode_attention_of_any_row_count_and_width_compiles_nothing_after_the_engine_starts(tiny_llama, monkeypatch):
     """A mixed step's decode rows launch the decode attention eagerly, in their count's tuning class and split as
-    far as count and table width say: 33 rows (the 64-row class, split in two at Llama-3-8B's 8 KV heads) once
-    compiled in the middle of an H200 run. Here every count up to 128 rows and every table width."""
+    far as count and table width say: at Llama-3-8B's 8 KV heads, 33 rows (the 64-row class split in two) or 65
+    (the 128-row class split in two) once compiled in the middle of an H200 run. Here every count up to 128 rows
+    and every table width."""
     from triton import knobs
 
     from kernels import paged_attention_triton
