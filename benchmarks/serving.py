@@ -213,7 +213,8 @@ def kernel_compiles(steps: list):
     compiles = []
 
     def note(**hook) -> bool:
-        compiles.append((len(steps), hook["repr"]))
+        # the launch options, then the constexpr values (the repr's argument list is cut short in triton 3.6)
+        compiles.append((len(steps), f"{hook['repr'].split('](')[0]}] {hook.get('compile', {}).get('constants')}"))
         return False  # compile as usual
 
     previous, knobs.runtime.jit_cache_hook = knobs.runtime.jit_cache_hook, note
