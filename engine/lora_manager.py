@@ -274,8 +274,8 @@ class LoRAManager:
         return min(idle, key=lambda s: self._slot_used_at[s])
 
     def _reserve_row(self) -> int:
-        """A host row to read an adapter into: a free one, else the least recently used copy's (a
-        device slot keeps its own copy), a slot having loaded it if one has, else the first row a read in
+        """A host row to read an adapter into: a free one, else the row of the least recently used copy a slot
+        has loaded (the slot keeps its own), else of the least recently used copy, else the first row a read in
         flight fills."""
         while not self._free_rows:
             if self.host:

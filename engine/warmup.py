@@ -6,9 +6,10 @@ past that bucket or without piecewise graphs) and compiles on first use: the LoR
 (up to 128 tokens go per token, fewer than 512 in 16-row tiles, more in 64-row tiles), the prefill
 attention, the decode attention of a mixed step's decode rows (a variant per batch class and split: every
 row count is launched), and the greedy choice after the LM head. Each takes a second or more on an H200,
-which the first requests of a fresh server would wait for. Mixed steps of dummy sequences cover the LoRA kernels and the prefill
-attention; the decode attention and the greedy choice are launched directly. Of the KV cache they use
-only the scratch block (the one CUDA-graph padding rows write to), so no block a sequence owns is touched.
+which the first requests of a fresh server would wait for. Mixed steps of dummy sequences cover the LoRA
+kernels and the prefill attention; the decode attention and the greedy choice are launched directly. Of the
+KV cache they use only the scratch block (the one CUDA-graph padding rows write to), so no block a sequence
+owns is touched.
 """
 from __future__ import annotations
 
