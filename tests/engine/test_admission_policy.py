@@ -70,6 +70,27 @@ def test_balanced_admits_a_resident_adapters_sequence_before_a_new_adapter(tiny_
     run_to_completion(engine)
 
 
+def test_balanced_reads_ahead_the_waiting_adapter_with_the_most_sequences_first(tiny_llama, adapters):
+    """A holds the only slot; C's one sequence arrived before B's two, neither adapter read yet, and one read may
+    be in flight. B is the one the slot goes to once free, so B's read goes first."""
+    a, b, c = adapters
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_cpu_loras=len(adapters), max_loras=1,
+                         admission_order="balanced")
+    engine.lora_manager.MAX_READS_IN_FLIGHT = 1
+    engine.add_request("Hello", PARAMS, a)
+    while not engine.scheduler.running:  # A's own read, then its slot
+        engine.step()
+    for lora in (c, b, b):
+        engine.add_request("Hello", PARAMS, lora)
+    engine.step()
+    manager = engine.lora_manager
+    manager.wait_for_reads(timeout=None)
+    manager.collect_reads()
+    status = manager.status()
+    assert (status[b.lora_int_id].in_cpu, status[c.lora_int_id].in_cpu) == (True, False)
+    run_to_completion(engine)
+
+
 def test_balanced_still_serves_a_starving_adapter(tiny_llama, adapters):
     """One slot, a stream of requests for A (resident, so always first in the balanced order), one request
     for B: the starvation guard still drains A's slot for B."""
