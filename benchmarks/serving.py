@@ -525,6 +525,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-batched-tokens", type=int, default=8192)
     parser.add_argument("--unique-adapters", type=int, default=16)
+    parser.add_argument("--zipf-seed", type=int, default=0,
+                        help="the seed of (d)'s Zipf picks (`benchmarks/zipf_schedule.py --seed` simulates the same)")
     parser.add_argument("--adapter-rank", type=int, default=16, help="the adapters' rank")
     parser.add_argument("--max-lora-rank", type=int,
                         help="the engines' slot rank (default: the adapters' rank); adapters of a lower rank are padded "
@@ -660,7 +662,7 @@ def main() -> None:
         zipf_engine = dict(enable_lora=True, max_loras=32, max_lora_rank=args.max_lora_rank, max_cpu_loras=128)
         engine = build_engine(model_dir, args, **zipf_engine)
         population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
-        picks = zipf_choice(len(batch), len(population))
+        picks = zipf_choice(len(batch), len(population), args.zipf_seed)
         picked = set(picks)
         unpicked = [population[i] for i in range(len(population)) if i not in picked] or [None]
         warm_up(engine, batch, unpicked[-8:], args)  # adapters the run never asks for: it reads all its own

@@ -45,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters_registry import ModelInfo
+from benchmarks.serving import zipf_choice
 from engine.kv_cache import BlockAllocator
 from engine.lora_manager import LoRAManager
 from engine.lora_request import LoRARequest
@@ -89,13 +90,6 @@ class Result:
     slot_loads: int
     disk_reads: int
     distinct_adapters: int
-
-
-def zipf_choice(n: int, population: int, seed: int = 0, a: float = 1.1) -> list[int]:
-    """The adapter picks of `benchmarks/serving.py` (the same generator calls, so the same picks)."""
-    gen = torch.Generator().manual_seed(seed)
-    weights = 1.0 / torch.arange(1, population + 1, dtype=torch.float64) ** a
-    return torch.multinomial(weights, n, replacement=True, generator=gen).tolist()
 
 
 class _OneLinear(torch.nn.Module):
