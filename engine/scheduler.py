@@ -9,7 +9,9 @@ slot drains while the other adapters keep their traffic, and no request starves.
 
 `admission_order="balanced"` considers the waiting sequences adapter by adapter instead, picking the
 adapters that fill the slots and the batch together. On the H200's workload (d) it ran 797-800 steps instead
-of 909-910, at 4724-4847 tok/s against 4393-4628 (BENCHMARKS.md, eighteenth session). The offline `LLM`
+of 909-910, at 4724-4847 tok/s against 4393-4628 (BENCHMARKS.md, eighteenth session); with two other seeds'
+Zipf picks, 784 and 795 steps where it had run 909 and 914 before its reads ahead followed its order
+(nineteenth session). The offline `LLM`
 admits so by default; the engine and the server keep arrival order, which online clients see as fairness.
 """
 from __future__ import annotations
