@@ -239,7 +239,8 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     for prompt, lora in zip(batch, loras):
         engine.add_request(prompt, params, lora)
     add_seconds = time.perf_counter() - start
-    decode_walls, batch_sizes, timeline = [], [], []
+    decode_walls, steady_walls, batch_sizes, timeline = [], [], [], []
+    after_decode_only = False
     phases = time_phases(engine) if timeline_to is not None else {}
     before = engine.stats()
     with collector_pauses() as pauses, kernel_compiles(timeline) as compiles:
@@ -253,6 +254,9 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
             batch_sizes.append(after.num_running)
             if decode_only:
                 decode_walls.append(wall)
+                if after_decode_only:
+                    steady_walls.append(wall)
+            after_decode_only = decode_only
             timeline.append(dict(ms=round(1e3 * wall, 3), running=after.num_running, waiting=after.num_waiting,
                                  decode_only=decode_only, slot_loads=after.lora_slot_loads - before.lora_slot_loads,
                                  disk_reads=after.lora_disk_reads - before.lora_disk_reads,
@@ -268,12 +272,13 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
                 idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls),
-                **_stalls(decode_walls), **_pause_summary(pauses), kernel_compiles=compiles)
+                **_stalls(steady_walls), **_pause_summary(pauses), kernel_compiles=compiles)
 
 
 def _stalls(decode_walls: list[float]) -> dict:
     """Decode-only steps that took over twice the median: time lost to something other than decoding
-    (a host-side wait, an allocation, a compile)."""
+    (a host-side wait, an allocation, a compile). The caller passes only those after a decode-only step: one
+    after an admitting step left in flight also waits for that step's prefill."""
     if not decode_walls:
         return {}
     limit = 2 * statistics.median(decode_walls)
