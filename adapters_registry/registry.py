@@ -17,7 +17,8 @@ logger = logging.getLogger("loraserve.adapters")
 
 @dataclass
 class AdapterEntry:
-    """A registered adapter: its name, a never-reused int id, where it came from and its loaded weights."""
+    """A registered adapter: its name, a never-reused int id, where it came from and what it is. Not its weights:
+    a server with many adapters would hold them all, while the engine's host cache keeps at most max_cpu_loras."""
 
     name: str
     int_id: int
@@ -29,7 +30,6 @@ class AdapterEntry:
     target_modules: list[str]
     loaded_at: float
     load_seconds: float
-    adapter: LoadedAdapter
 
 
 class AdapterRegistry:
@@ -46,8 +46,9 @@ class AdapterRegistry:
         if not replace and name in self._entries:
             raise ValueError(f"The lora adapter '{name}' has already been loaded.")
 
-    def register(self, spec: AdapterSpec, *, replace: bool = False) -> AdapterEntry:
-        """Load and add an adapter; with replace, an existing name gets the new weights under a new int id."""
+    def register(self, spec: AdapterSpec, *, replace: bool = False) -> tuple[AdapterEntry, LoadedAdapter]:
+        """Load and add an adapter; with replace, an existing name gets the new weights under a new int id. Returns
+        the entry and the weights it was checked with, for the caller to hand to the engine: the table keeps none."""
         with self._lock:
             self._check_free(spec.name, replace)
         logger.info("Loading adapter weights into model: %s", spec.name)
@@ -68,10 +69,9 @@ class AdapterRegistry:
                 target_modules=adapter.target_modules,
                 loaded_at=time.time(),
                 load_seconds=load_seconds,
-                adapter=adapter,
             )
             self._entries[spec.name] = entry
-        return entry
+        return entry, adapter
 
     def unregister(self, name: str) -> AdapterEntry:
         """Remove a name; KeyError if it is not registered."""

@@ -133,17 +133,22 @@ class AsyncEngine:
                     self._wakeup.wait()
                 if self._stopped:
                     break
-                commands = list(self._commands)
-                self._commands.clear()
-            for fn, future in commands:
-                try:
-                    future.set_result(fn())
-                except BaseException as exc:  # the caller gets it
-                    future.set_exception(exc)
+                commands, self._commands = self._commands, deque()
+            self._run_commands(commands)
             if self.engine.has_unfinished_requests():
                 self._step()
         for request_id in list(self._streams):
             self._deliver(request_id, RuntimeError("the engine has been shut down"))
+
+    @staticmethod
+    def _run_commands(commands: deque[tuple[Callable[[], Any], Future]]) -> None:
+        """Run each command and let go of it, so nothing one captured (an adapter's weights) outlives its run."""
+        while commands:
+            fn, future = commands.popleft()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # the caller gets it
+                future.set_exception(exc)
 
     def _step(self) -> None:
         try:

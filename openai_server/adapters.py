@@ -24,8 +24,8 @@ def lora_request(entry: AdapterEntry) -> LoRARequest:
 def register_adapter(engine, registry: AdapterRegistry, spec: AdapterSpec, *, replace: bool = False) -> AdapterEntry:
     """Validate and load an adapter, then hand its weights to the engine; an old version (replace) is unloaded."""
     previous = registry.lookup(spec.name) if replace else None
-    entry = registry.register(spec, replace=replace)
-    engine.add_lora(lora_request(entry), entry.adapter)
+    entry, weights = registry.register(spec, replace=replace)
+    engine.add_lora(lora_request(entry), weights)
     if previous is not None:
         engine.remove_lora(previous.int_id)
     logger.debug(  # the registry already logged TGI's one line per adapter

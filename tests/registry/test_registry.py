@@ -15,12 +15,12 @@ def registry(model_info):
 
 
 def test_register_loads_eagerly_and_describes_the_adapter(registry, good_adapter):
-    entry = registry.register(AdapterSpec("pirate", str(good_adapter), base_model_name="tiny"))
+    entry, weights = registry.register(AdapterSpec("pirate", str(good_adapter), base_model_name="tiny"))
     assert (entry.name, entry.int_id, entry.source) == ("pirate", 1, str(good_adapter))
     assert entry.path == str(good_adapter.resolve())
     assert (entry.rank, entry.base_model_name, entry.revision) == (8, "tiny", None)
-    assert entry.target_modules == entry.adapter.target_modules
-    assert len(entry.adapter.modules) == 14
+    assert entry.target_modules == weights.target_modules
+    assert len(weights.modules) == 14
     assert entry.load_seconds > 0 and entry.loaded_at > 0
 
 
@@ -31,7 +31,7 @@ def test_register_logs_tgi_loading_line(registry, good_adapter, caplog):
 
 
 def test_lookup_contains_and_len(registry, good_adapter):
-    entry = registry.register(AdapterSpec("pirate", str(good_adapter)))
+    entry, _ = registry.register(AdapterSpec("pirate", str(good_adapter)))
     assert registry.lookup("pirate") is entry
     assert registry.lookup("sql") is None
     assert "pirate" in registry and "sql" not in registry
@@ -53,20 +53,20 @@ def test_duplicate_name_without_replace_is_refused(registry, good_adapter):
 
 def test_replace_gives_new_int_id_and_new_weights_in_the_same_place(registry, good_adapter, base_dir, tmp_path):
     registry.register(AdapterSpec("first", str(good_adapter)))
-    old = registry.register(AdapterSpec("pirate", str(good_adapter)))
+    old, _ = registry.register(AdapterSpec("pirate", str(good_adapter)))
     other = make_peft_adapter(base_dir, tmp_path / "other", r=4, seed=7)
-    new = registry.register(AdapterSpec("pirate", str(other)), replace=True)
+    new, _ = registry.register(AdapterSpec("pirate", str(other)), replace=True)
     assert new.int_id == 3 and old.int_id == 2
     assert registry.lookup("pirate") is new and new.rank == 4
     assert [e.name for e in registry.list()] == ["first", "pirate"]
 
 
 def test_replace_of_unknown_name_registers_it(registry, good_adapter):
-    assert registry.register(AdapterSpec("pirate", str(good_adapter)), replace=True).int_id == 1
+    assert registry.register(AdapterSpec("pirate", str(good_adapter)), replace=True)[0].int_id == 1
 
 
 def test_unregister_removes_and_returns_the_entry(registry, good_adapter):
-    entry = registry.register(AdapterSpec("pirate", str(good_adapter)))
+    entry, _ = registry.register(AdapterSpec("pirate", str(good_adapter)))
     assert registry.unregister("pirate") is entry
     assert "pirate" not in registry
 
@@ -79,7 +79,7 @@ def test_unregister_unknown_name_is_key_error(registry):
 def test_int_ids_are_never_reused(registry, good_adapter):
     registry.register(AdapterSpec("a", str(good_adapter)))
     registry.unregister("a")
-    assert registry.register(AdapterSpec("a", str(good_adapter))).int_id == 2
+    assert registry.register(AdapterSpec("a", str(good_adapter)))[0].int_id == 2
 
 
 def test_missing_path_is_not_found_and_leaves_table_unchanged(registry, good_adapter):
@@ -90,7 +90,7 @@ def test_missing_path_is_not_found_and_leaves_table_unchanged(registry, good_ada
 
 
 def test_invalid_adapter_leaves_table_unchanged_even_when_replacing(registry, good_adapter, tmp_path):
-    entry = registry.register(AdapterSpec("pirate", str(good_adapter)))
+    entry, _ = registry.register(AdapterSpec("pirate", str(good_adapter)))
     broken = tmp_path / "broken"
     shutil.copytree(good_adapter, broken)
     (broken / "adapter_model.safetensors").write_bytes(b"garbage")
@@ -109,7 +109,7 @@ def test_pickle_opt_in_is_passed_to_the_loader(model_info, good_adapter, tmp_pat
     torch.save(load_file(str(good_adapter / "adapter_model.safetensors")), str(adapter / "adapter_model.bin"))
     with pytest.raises(AdapterError, match="pickle"):
         AdapterRegistry(model_info).register(AdapterSpec("bin", str(adapter)))
-    assert AdapterRegistry(model_info, allow_pickle=True).register(AdapterSpec("bin", str(adapter))).rank == 8
+    assert AdapterRegistry(model_info, allow_pickle=True).register(AdapterSpec("bin", str(adapter)))[0].rank == 8
 
 
 def test_concurrent_registration_gives_unique_ids_and_keeps_every_entry(registry, good_adapter):
@@ -142,7 +142,7 @@ def test_concurrent_duplicate_registration_admits_exactly_one(registry, good_ada
     def work():
         barrier.wait()
         try:
-            outcomes.append(registry.register(AdapterSpec("same", str(good_adapter))).int_id)
+            outcomes.append(registry.register(AdapterSpec("same", str(good_adapter)))[0].int_id)
         except ValueError as exc:
             outcomes.append(str(exc))
 
