@@ -7,6 +7,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+import torch
+
 from .loader import LoadedAdapter, load_adapter
 from .model_info import ModelInfo
 from .resolve import resolve_adapter_path
@@ -35,9 +37,11 @@ class AdapterEntry:
 class AdapterRegistry:
     """Registers adapters eagerly (resolve, validate, load) so a bad adapter fails here and changes nothing."""
 
-    def __init__(self, model: ModelInfo, *, allow_pickle: bool = False) -> None:
+    def __init__(self, model: ModelInfo, *, allow_pickle: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: the weights are loaded in; the engine's (its slots') saves a float32 copy of each."""
         self.model = model
         self.allow_pickle = allow_pickle
+        self.dtype = dtype
         self._lock = threading.Lock()
         self._entries: dict[str, AdapterEntry] = {}
         self._ids = itertools.count(1)
@@ -54,7 +58,7 @@ class AdapterRegistry:
         logger.info("Loading adapter weights into model: %s", spec.name)
         start = time.perf_counter()
         path = resolve_adapter_path(spec.path, spec.revision)
-        adapter = load_adapter(path, self.model, allow_pickle=self.allow_pickle)
+        adapter = load_adapter(path, self.model, allow_pickle=self.allow_pickle, dtype=self.dtype)
         load_seconds = time.perf_counter() - start
         with self._lock:
             self._check_free(spec.name, replace)

@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any
 
+import torch
+
 from .config import EngineConfig
 from .llm_engine import EngineStats, LLMEngine
 from .lora_request import LoRARequest
@@ -53,6 +55,10 @@ class AsyncEngine:
     @property
     def config(self) -> EngineConfig:
         return self.engine.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.engine.dtype
 
     def stats(self) -> EngineStats:
         return self.call(self.engine.stats)

@@ -76,7 +76,7 @@ def build_server(config: ServeConfig) -> Server:
     """Load the model and every configured adapter (a bad adapter stops startup with its reason)."""
     settings = server_settings(config)
     engine = AsyncEngine(engine_config(config))
-    registry = AdapterRegistry(engine.model_info, allow_pickle=config.allow_pickle_adapters)
+    registry = AdapterRegistry(engine.model_info, allow_pickle=config.allow_pickle_adapters, dtype=engine.dtype)
     for spec in config.adapter_specs():
         register_adapter(engine, registry, spec)
     return Server(engine, registry, build_app(engine, registry, settings))

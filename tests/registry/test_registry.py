@@ -4,6 +4,7 @@ import shutil
 import threading
 
 import pytest
+import torch
 
 from adapters_registry import AdapterError, AdapterNotFoundError, AdapterRegistry, AdapterSpec
 from tests.tiny_models import make_peft_adapter
@@ -22,6 +23,13 @@ def test_register_loads_eagerly_and_describes_the_adapter(registry, good_adapter
     assert entry.target_modules == weights.target_modules
     assert len(weights.modules) == 14
     assert entry.load_seconds > 0 and entry.loaded_at > 0
+
+
+def test_register_loads_the_weights_in_the_registrys_dtype(model_info, good_adapter):
+    registry = AdapterRegistry(model_info, dtype=torch.bfloat16)
+    _, weights = registry.register(AdapterSpec("pirate", str(good_adapter)))
+    dtypes = {side.dtype for module in weights.modules.values() for side in (module.lora_a, module.lora_b)}
+    assert dtypes == {torch.bfloat16}
 
 
 def test_register_logs_tgi_loading_line(registry, good_adapter, caplog):
@@ -100,7 +108,6 @@ def test_invalid_adapter_leaves_table_unchanged_even_when_replacing(registry, go
 
 
 def test_pickle_opt_in_is_passed_to_the_loader(model_info, good_adapter, tmp_path):
-    import torch
     from safetensors.torch import load_file
 
     adapter = tmp_path / "bin"
