@@ -38,7 +38,7 @@ class AdapterRegistry:
     """Registers adapters eagerly (resolve, validate, load) so a bad adapter fails here and changes nothing."""
 
     def __init__(self, model: ModelInfo, *, allow_pickle: bool = False, dtype: torch.dtype = torch.float32) -> None:
-        """dtype: the weights are loaded in; the engine's (its slots') saves a float32 copy of each."""
+        """dtype: what the weights are loaded in; the engine's own (its slots') skips a float32 copy of each."""
         self.model = model
         self.allow_pickle = allow_pickle
         self.dtype = dtype

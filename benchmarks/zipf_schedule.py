@@ -24,11 +24,11 @@ sequence had its prompt computed before it and the number waiting did not change
 number running after each step, over all steps.
 
 Results (seed 0, read delay 10): fcfs 930 steps, 874 decode-only, mean running 70.2, 14.08 s estimated
-(the H200 measured 909 and 910 steps); balanced 794 steps, 729, 82.0, 13.37 s (-5.0%; the H200, before the
-adapters left over were ordered by their waiting requests: 797 and 800). No order can do much better: an adapter
-holds its slot for at least 129 steps (its prefill and 128 decodes), and 173 adapters in 32 slots put 6 of them in
-one slot, so at least 774 steps (balanced with reads that take one step: 776); the decode rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is
-5.3 ms per step.
+(the H200 measured 909 and 910 steps); balanced 794 steps, 729, 82.0, 13.37 s (-5.0%; the H200: 798 and 799,
+and 797 and 800 before the adapters left over were ordered by their waiting requests). No order can do much
+better: an adapter holds its slot for at least 129 steps (its prefill and 128 decodes), and 173 adapters in 32
+slots put 6 of them in one slot, so at least 774 steps (balanced with reads that take one step: 776); the decode
+rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is 5.3 ms per step.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ slot drains while the other adapters keep their traffic, and no request starves.
 adapters that fill the slots and the batch together. On the H200's workload (d) it ran 797-800 steps instead
 of 909-910, at 4724-4847 tok/s against 4393-4628 (BENCHMARKS.md, eighteenth session); with two other seeds'
 Zipf picks, 784 and 795 steps where it had run 909 and 914 before its reads ahead followed its order
-(nineteenth session). The offline `LLM`
-admits so by default; the engine and the server keep arrival order, which online clients see as fairness.
+(nineteenth session). The offline `LLM` admits so by default; the engine and the server keep arrival order,
+which online clients see as fairness.
 """
 from __future__ import annotations
 
@@ -250,8 +250,8 @@ class Scheduler:
         slots), else the one with the fewest; ties by first arrival. Each adapter's sequences then run
         together, so it holds its slot for one sequence's lifetime, and the batch stays as full as the
         slots allow. The adapters left over follow, most waiting sequences first, as the next free slots will
-        pick them, so their reads ahead (made in this order) start first. Workload (d) in `benchmarks/zipf_schedule.py`:
-        794 steps instead of fcfs's 930 (807 with the leftovers by first arrival)."""
+        pick them, so their reads ahead (made in this order) start first. Workload (d) in
+        `benchmarks/zipf_schedule.py`: 794 steps instead of fcfs's 930 (807 with the leftovers by first arrival)."""
         slots = self.adapter_slots
         first_at: dict[int, int] = {}
         count: dict[int, int] = {}
