@@ -72,11 +72,15 @@ class AdapterService:
         return {entry.int_id: entry.name for entry in self.registry.list()}
 
     def model_cards(self) -> list[dict]:
+        """One card per name of the base model (as vLLM lists every served name), then one per adapter."""
         max_len = self.engine.max_model_len
-        base = {
-            "id": self.base_name, "object": "model", "created": self.created, "owned_by": "loraserve",
-            "root": self.engine.model_name, "parent": None, "max_model_len": max_len,
-        }
+        bases = [
+            {
+                "id": name, "object": "model", "created": self.created, "owned_by": "loraserve",
+                "root": self.engine.model_name, "parent": None, "max_model_len": max_len,
+            }
+            for name in self.base_names
+        ]
         adapters = [
             {
                 "id": entry.name, "object": "model", "created": int(entry.loaded_at), "owned_by": "loraserve",
@@ -84,7 +88,7 @@ class AdapterService:
             }
             for entry in self.registry.list()
         ]
-        return [base, *adapters]
+        return [*bases, *adapters]
 
     def describe(self) -> list[dict]:
         """Each adapter with its shape, where its weights live now, and how busy it is."""

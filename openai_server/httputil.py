@@ -23,8 +23,15 @@ async def parse_body(request: Request, model: type[Body]) -> Body:
     raw = await request.body()
     try:
         data = json.loads(raw or b"null")
+        if b"\\u" in raw:  # an escape may be a lone surrogate, which JSON allows and UTF-8 (the tokenizer's) does not
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("The request body is not valid JSON: it is nested too deeply.") from None
+    except UnicodeEncodeError:
+        raise bad_request("The request body holds a lone UTF-16 surrogate escape (\\ud800 to \\udfff), "
+                          "which is not text.") from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.")
     try:

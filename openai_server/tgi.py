@@ -9,6 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from engine import SamplingParams
+from engine.detokenizer import IncrementalDetokenizer
 
 from .errors import APIError, bad_request
 from .generation import Generation, abort_all, merge, start_all
@@ -33,9 +34,11 @@ def _finish_reason(completion) -> str:
 
 
 def _params(body: TGIGenerateRequest) -> SamplingParams:
-    """Greedy unless sampling is asked for, as TGI does: `do_sample` or any of temperature/top_p/top_k."""
+    """Greedy unless sampling is asked for, as TGI decides: `do_sample`, or a temperature other than 1, a top_k, or
+    a top_p below 1. A matched stop sequence stays in the text, as TGI leaves it."""
     p = body.parameters
-    sample = p.do_sample or any(v is not None for v in (p.temperature, p.top_p, p.top_k))
+    warped = (p.temperature not in (None, 1.0)) or p.top_k is not None or (p.top_p is not None and p.top_p < 1.0)
+    sample = p.do_sample or warped
     try:
         return SamplingParams(
             temperature=(p.temperature or 1.0) if sample else 0.0,
@@ -45,6 +48,7 @@ def _params(body: TGIGenerateRequest) -> SamplingParams:
             frequency_penalty=p.frequency_penalty or 0.0,
             seed=p.seed,
             stop=p.stop,
+            include_stop_str_in_output=True,
             max_tokens=p.max_new_tokens,
             logprobs=0,
         )
@@ -84,16 +88,26 @@ class TGIHandler:
         logprob = position.get(token_id) if position else None
         return {"id": token_id, "text": text, "logprob": logprob, "special": special}
 
-    def _tokens(self, completion, start: int, text: str) -> list[dict]:
-        """New tokens since `start`; the delta text goes to the last of them (text and tokens may not align)."""
+    def _tokens(self, completion, start: int, texts: list[str] | None = None) -> list[dict]:
+        """The tokens since `start`, with `texts` (or no text yet)."""
         ids = completion.token_ids[start:]
         positions = (completion.logprobs or [])[start:] or [None] * len(ids)
-        return [
-            self._token(token_id, text if i == len(ids) - 1 else "", position)
-            for i, (token_id, position) in enumerate(zip(ids, positions))
-        ]
+        texts = texts or [""] * len(ids)
+        return [self._token(token_id, text, position) for token_id, text, position in zip(ids, texts, positions)]
 
-    def _details(self, body: TGIGenerateRequest, completion, with_tokens: bool) -> dict:
+    def _token_texts(self, prompt_token_ids: list[int], token_ids: list[int]) -> list[str]:
+        """Each generated token's own text, decoded as the stream released it: a character split over several
+        tokens goes to the token that completes it, and special tokens have none."""
+        detokenizer = IncrementalDetokenizer(self.state.tokenizer, prompt_token_ids, SamplingParams())
+        texts, shown = [], 0
+        for token_id in token_ids:
+            detokenizer.append(token_id)
+            texts.append(detokenizer.output_text[shown:])
+            shown = len(detokenizer.output_text)
+        return texts
+
+    def _details(self, body: TGIGenerateRequest, output, with_tokens: bool) -> dict:
+        completion = output.outputs[0]
         details = {
             "finish_reason": _finish_reason(completion),
             "generated_tokens": len(completion.token_ids),
@@ -101,7 +115,8 @@ class TGIHandler:
         }
         if with_tokens:
             details["prefill"] = []
-            details["tokens"] = self._tokens(completion, 0, "")
+            details["tokens"] = self._tokens(completion, 0, self._token_texts(output.prompt_token_ids,
+                                                                               completion.token_ids))
         return details
 
     async def _whole(self, body: TGIGenerateRequest, generations: list[Generation]) -> dict:
@@ -112,12 +127,13 @@ class TGIHandler:
         text = body.inputs + completion.text if body.parameters.return_full_text else completion.text
         response = {"generated_text": text}
         if body.parameters.details:
-            response["details"] = self._details(body, completion, with_tokens=True)
+            response["details"] = self._details(body, final, with_tokens=True)
         return response
 
     async def _events(self, body: TGIGenerateRequest, generations: list[Generation]) -> AsyncIterator[str]:
         """One event per token; the last carries `generated_text` and `details`. Events lag one token so
-        the final one can be completed once the engine says the request is finished."""
+        the final one can be completed once the engine says the request is finished. New text goes to the last
+        new token that is not special, else to the event held back: TGI clients skip special tokens' text."""
         held: dict | None = None
         sent_text = sent_tokens = 0
         count = 0
@@ -125,10 +141,13 @@ class TGIHandler:
             async for _, output in merge(generations):
                 completion = output.outputs[0]
                 text = completion.text[sent_text:]
-                tokens = self._tokens(completion, sent_tokens, text)
+                tokens = self._tokens(completion, sent_tokens)
                 sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
-                if not tokens and held is not None:
-                    held["token"]["text"] += text
+                target = next((token for token in reversed(tokens) if not token["special"]), None)
+                if target is None and held is not None:
+                    target = held["token"]
+                if target is not None:
+                    target["text"] += text
                 for token in tokens:
                     if held is not None:
                         yield dumps(held)
@@ -137,7 +156,7 @@ class TGIHandler:
                 if output.finished and held is not None:
                     full = completion.text
                     held["generated_text"] = body.inputs + full if body.parameters.return_full_text else full
-                    held["details"] = self._details(body, completion, with_tokens=False)
+                    held["details"] = self._details(body, output, with_tokens=False)
         except APIError as exc:
             yield dumps({"error": exc.message, "error_type": "validation"})
             return

@@ -201,3 +201,28 @@ def test_wrong_field_type_is_400_naming_the_field(http):
     response = http.post("/v1/chat/completions", json={"model": "alpha", "messages": "hello"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "messages"
+
+
+@pytest.mark.parametrize("route, body", [
+    ("/v1/completions", b'{"model": "alpha", "prompt": "\\ud800"}'),
+    ("/v1/completions", b'{"model": "\\udfff", "prompt": "Hello"}'),
+    ("/v1/chat/completions", b'{"model": "alpha", "messages": [{"role": "user", "content": "a\\ud800b"}]}'),
+    ("/v1/unload_lora_adapter", b'{"lora_name": "\\ud800"}'),
+])
+def test_a_lone_surrogate_escape_is_400_and_the_connection_keeps_serving(http, route, body):
+    response = http.post(route, content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "surrogate" in response.json()["error"]["message"]
+    assert http.get("/v1/models").status_code == 200
+
+
+def test_a_surrogate_pair_escape_is_text(http):
+    body = b'{"model": "alpha", "prompt": "\\ud83d\\ude00", "max_tokens": 2}'
+    assert http.post("/v1/completions", content=body, headers={"content-type": "application/json"}).status_code == 200
+
+
+def test_json_nested_too_deeply_is_400(http):
+    body = b'{"model": "alpha", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+    assert response.status_code == 400
+    assert "nested too deeply" in response.json()["error"]["message"]

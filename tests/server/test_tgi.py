@@ -42,6 +42,13 @@ def test_generate_details_count_tokens_and_name_the_finish(http):
     assert body["details"]["generated_tokens"] == len(body["details"]["tokens"]) <= 5
 
 
+def test_generate_details_give_each_token_its_own_text(http):
+    body = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 8, "details": True}}).json()
+    tokens = body["details"]["tokens"]
+    assert "".join(token["text"] for token in tokens) == body["generated_text"]
+    assert sum(bool(token["text"]) for token in tokens) > 1
+
+
 def test_generate_stream_sends_token_events_then_the_full_text(http):
     with http.stream(
         "POST", "/generate_stream", json={"inputs": INPUTS, "parameters": {"adapter_id": "gamma", "max_new_tokens": 8}}
@@ -56,6 +63,33 @@ def test_generate_stream_sends_token_events_then_the_full_text(http):
     assert events[-1]["details"]["generated_tokens"] == len(events)
 
 
+def test_generate_stream_gives_no_text_to_a_special_token(http):
+    """A TGI client adds up the text of the tokens that are not special: it must come to the whole text."""
+    for inputs in ("a", "e", "C", "Po", "i x"):  # prompts after which the tiny model ends its text (eos)
+        with http.stream("POST", "/generate_stream",
+                         json={"inputs": inputs, "parameters": {"max_new_tokens": 40}}) as response:
+            events = _events(response)
+        assert events[-1]["token"]["special"] and events[-1]["details"]["finish_reason"] == "eos_token"
+        assert all(e["token"]["text"] == "" for e in events if e["token"]["special"])
+        assert "".join(e["token"]["text"] for e in events if not e["token"]["special"]) == events[-1]["generated_text"]
+
+
+def test_generate_keeps_the_stop_sequence_in_the_text(http):
+    text = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 10}}).json()["generated_text"]
+    stop = text[3:5]
+    stopped = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 10, "stop": [stop],
+                                                                            "details": True}}).json()
+    assert stopped["details"]["finish_reason"] == "stop_sequence"
+    assert stopped["generated_text"] == text[:text.index(stop) + len(stop)]
+
+
+def test_generate_with_temperature_one_and_no_do_sample_is_greedy(http):
+    greedy = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 10}}).json()
+    for seed in (1, 2):
+        parameters = {"max_new_tokens": 10, "temperature": 1.0, "top_p": 1.0, "seed": seed}
+        assert http.post("/generate", json={"inputs": INPUTS, "parameters": parameters}).json() == greedy
+
+
 def test_generate_unknown_adapter_is_404_in_tgi_shape(http):
     response = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "nope"}})
     assert response.status_code == 404
@@ -64,6 +98,13 @@ def test_generate_unknown_adapter_is_404_in_tgi_shape(http):
 
 def test_generate_invalid_parameters_are_400_in_tgi_shape(http):
     response = http.post("/generate", json={"inputs": INPUTS, "parameters": {"max_new_tokens": 0}})
+    assert response.status_code == 400
+    assert response.json()["error_type"] == "validation"
+
+
+def test_generate_body_nested_too_deeply_is_400_in_tgi_shape(http):
+    body = b'{"inputs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    response = http.post("/generate", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error_type"] == "validation"
 
