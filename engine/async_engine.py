@@ -88,9 +88,9 @@ class AsyncEngine:
             self.engine.add_request(prompt, sampling_params, lora_request, request_id)
             self._streams[request_id] = (loop, queue)
 
-        await asyncio.wrap_future(self._submit(add))
         finished = False
         try:
+            await asyncio.wrap_future(self._submit(add))  # inside: a caller cancelled once the add ran aborts it
             while not finished:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -138,19 +138,26 @@ class AsyncEngine:
                 while not self._stopped and not self._commands and not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
                 if self._stopped:
+                    commands, self._commands = self._commands, deque()
                     break
                 commands, self._commands = self._commands, deque()
             self._run_commands(commands)
             if self.engine.has_unfinished_requests():
                 self._step()
+        shut_down = RuntimeError("the engine has been shut down")
+        for _, future in commands:  # queued when it stopped: their callers get the error rather than wait forever
+            if future.set_running_or_notify_cancel():
+                future.set_exception(shut_down)
         for request_id in list(self._streams):
-            self._deliver(request_id, RuntimeError("the engine has been shut down"))
+            self._deliver(request_id, shut_down)
 
     @staticmethod
     def _run_commands(commands: deque[tuple[Callable[[], Any], Future]]) -> None:
         """Run each command and let go of it, so nothing one captured (an adapter's weights) outlives its run."""
         while commands:
             fn, future = commands.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue  # its caller gave up before it ran (a cancelled generate(): nothing was added)
             try:
                 future.set_result(fn())
             except BaseException as exc:  # the caller gets it

@@ -195,6 +195,8 @@ class Scheduler:
         slots = self.adapter_slots
         if slots is not None:
             slots.collect_reads()  # once per pass: a read landing mid-pass could be evicted before its turn
+        if self.draining is not None and not any(seq.skipped_steps > self.max_skips for seq in self.waiting):
+            self.draining = None  # the starving sequence left (aborted, failed) before its adapter got the slot
         if budget == 0 or len(self.running) >= self.max_num_seqs:
             return  # before ordering the waiting sequences for nothing
         read_errors: dict[int, BaseException] = {}

@@ -109,6 +109,25 @@ def test_balanced_still_serves_a_starving_adapter(tiny_llama, adapters):
     run_to_completion(engine)
 
 
+def test_a_drained_adapter_runs_again_once_the_starving_request_is_aborted(tiny_llama, adapters):
+    """A's slot is drained for B's starving request; B's client goes away before B runs: A's next request runs."""
+    a, b, _ = adapters
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=1, max_cpu_loras=2)
+    long_params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    engine.add_request("Hello", long_params, a)
+    engine.step()
+    starving = engine.add_request("Hello", PARAMS, b)
+    while engine.scheduler.draining is None:
+        engine.step()
+    engine.abort(starving)
+    following = engine.add_request("Hello", PARAMS, a)
+    finished = set()
+    for _ in range(200):  # bounded: before the fix, A's request waited for ever
+        finished.update(output.request_id for output in engine.step() if output.finished)
+    assert following in finished
+    assert engine.scheduler.draining is None
+
+
 def test_the_engine_config_refuses_an_unknown_admission_order():
     from engine import EngineConfig
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
@@ -116,3 +118,68 @@ def test_an_adapter_that_cannot_be_read_fails_its_stream_and_others_finish(tiny_
         assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
     finally:
         engine.shutdown()
+
+
+def _slow_steps(engine: AsyncEngine, seconds: float) -> None:
+    """Each step sleeps first, so commands submitted meanwhile wait in the queue."""
+    step = engine.engine.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    engine.engine.step = slow_step
+
+
+def test_a_generate_cancelled_while_its_add_waits_leaves_the_engine_serving(tiny_llama):
+    """A client that goes away before its request was even added: the engine thread must live on, and add nothing."""
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu"))
+    try:
+        async def main():
+            busy = asyncio.create_task(_collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=30,
+                                                                                 ignore_eos=True)))
+            await asyncio.sleep(0.2)
+            _slow_steps(engine, 0.05)
+            victim = asyncio.create_task(_collect(engine, "Hi", request_id="victim"))
+            await asyncio.sleep(0)  # generate() now waits for its queued add
+            victim.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await victim
+            finished = await asyncio.wait_for(busy, 60)
+            after = await asyncio.wait_for(_collect(engine, "Hi"), 60)
+            return finished, after
+
+        finished, after = asyncio.run(main())
+        assert finished[-1].finished and after[-1].finished
+        assert "victim" not in engine.engine.requests
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_fails_the_calls_still_queued(tiny_llama):
+    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu"))
+    outcome = {}
+
+    def stats_from_another_thread():
+        try:
+            outcome["stats"] = engine.stats()
+        except RuntimeError as exc:
+            outcome["error"] = str(exc)
+
+    async def main():
+        stream = asyncio.create_task(_collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=200,
+                                                                               ignore_eos=True)))
+        await asyncio.sleep(0.2)
+        _slow_steps(engine, 0.3)
+        await asyncio.sleep(0.35)
+        caller = threading.Thread(target=stats_from_another_thread)
+        caller.start()
+        await asyncio.sleep(0.05)  # its call waits behind a slow step
+        engine.shutdown()
+        caller.join(timeout=10)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await asyncio.wait_for(stream, 10)
+        return caller.is_alive()
+
+    assert asyncio.run(main()) is False
+    assert outcome == {"error": "the engine has been shut down"}
