@@ -31,6 +31,11 @@ _UNSUPPORTED_FEATURES = (
 )
 
 
+# peft initialisations that rewrite the base weights when an adapter is loaded (the trained A and B then apply to
+# that residual), so the adapter does not fit a base model shared with others until peft converts it to plain LoRA.
+_BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq")
+
+
 @dataclass(frozen=True)
 class ModulePlan:
     """What peft would build for one base module: its rank, alpha and the scaling folded into B."""
@@ -78,6 +83,13 @@ def check_supported(config: dict) -> None:
     for key, feature in _UNSUPPORTED_FEATURES:
         if config.get(key):
             raise AdapterError(f"Adapters using {feature} ({key}) are not supported.")
+    init = config.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_BASE_REWRITING_INITS):
+        raise AdapterError(
+            f"Adapters initialised with init_lora_weights {init!r} change the base model's weights when loaded, "
+            "so they cannot share it with other adapters. Convert the adapter to a plain LoRA first (peft's "
+            "save_pretrained with path_initial_model_for_weight_conversion)."
+        )
 
 
 def _number(key: str, value: object) -> float:

@@ -101,6 +101,18 @@ def test_layer_replication_is_refused(adapter_copy, model_info):
     assert message == "Adapters using layer replication (layer_replication) are not supported."
 
 
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq"])
+def test_an_unconverted_adapter_whose_init_rewrites_the_base_weights_is_refused(adapter_copy, model_info, init):
+    message = refusal(adapter_copy(init_lora_weights=init), model_info)
+    assert message.startswith(f"Adapters initialised with init_lora_weights {init!r} change the base model's weights")
+    assert "Convert the adapter to a plain LoRA first" in message
+
+
+@pytest.mark.parametrize("init", [True, False, "gaussian", "orthogonal"])
+def test_an_init_that_leaves_the_base_weights_alone_loads(adapter_copy, model_info, init):
+    assert load_adapter(adapter_copy(init_lora_weights=init), model_info).rank == 8
+
+
 @pytest.mark.parametrize("target", ["embed_tokens", "lm_head", "c_attn"])
 def test_listed_target_without_lora_path_is_refused(adapter_copy, model_info, target):
     message = refusal(adapter_copy(target_modules=["q_proj", target]), model_info)
