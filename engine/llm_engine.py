@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, replace
@@ -250,7 +251,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        token_ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        if params.max_tokens is None:  # as many as the context window, and the KV cache, hold
+            room = min(self.max_model_len, self.allocator.num_blocks * self.block_size) - len(token_ids)
+            params = _with_max_tokens(params, max(room, 1))
         self._check_prompt(token_ids, params)
         self.sampler.validate(params)
         if lora_request is not None:
@@ -258,8 +262,6 @@ class LLMEngine:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not "
                                  f"enabled; start the engine with enable_lora=True")
             self.lora_manager.ensure_loaded([lora_request])
-        if params.max_tokens is None:
-            params = _with_max_tokens(params, self.max_model_len - len(token_ids))
         request = Request(request_id, text, token_ids, params, lora_request)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
@@ -495,11 +497,13 @@ class LLMEngine:
                 continue
             start = seq.num_computed_tokens
             end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            if end <= start:
+            first = max(start, len(record) - 1)  # a preempted sequence recomputes positions already recorded
+            if end <= first:
                 continue
-            hidden = result.hidden[result.starts[i]:result.starts[i] + end - start]
+            offset = result.starts[i] + first - start
+            hidden = result.hidden[offset:offset + end - first]
             logprobs = compute_logprobs(self.model.compute_logits(hidden))
-            targets = seq.token_ids[start + 1:end + 1]
+            targets = seq.token_ids[first + 1:end + 1]
             record.extend(gather_logprobs(logprobs, targets, request.params.prompt_logprobs))
 
     def _append_token(self, seq: Sequence, token) -> bool:
@@ -581,6 +585,13 @@ def _take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if hidden.is_cuda:
         index = index.pin_memory().to(hidden.device, non_blocking=True)
     return hidden[index]
+
+
+def _token_ids(prompt: list[int]) -> list[int]:
+    try:
+        return [operator.index(token) for token in prompt]
+    except TypeError:
+        raise ValueError("A prompt of token ids must hold integers only") from None
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

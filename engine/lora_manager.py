@@ -99,7 +99,8 @@ class LoRAManager:
             weakref.finalize(self, self._process_reader.close)
         else:
             self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
-        self._reads: dict[int, tuple[Future, int]] = {}  # adapter id -> (read, the host row it fills)
+        # adapter id -> (read, the host row it fills, the adapter it reads)
+        self._reads: dict[int, tuple[Future, int, LoRARequest]] = {}
         self.disk_reads = 0  # adapters read from disk, ever (a high rate: max_cpu_loras is too small)
         self.slot_loads = 0  # adapters copied into a device slot, ever (a high rate: max_loras is too small)
         self._failed_reads: dict[int, BaseException] = {}
@@ -108,6 +109,9 @@ class LoRAManager:
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
         """Make an adapter known (and cache its already-loaded weights, if given)."""
         self._check_identity(lora_request)
+        if lora_request.lora_int_id in self.removed and self.pins[lora_request.lora_int_id]:
+            raise ValueError(f"lora_int_id {lora_request.lora_int_id} was unloaded, and running requests still use "
+                             f"its old weights; add the adapter under another id")
         self.removed.discard(lora_request.lora_int_id)
         self.known[lora_request.lora_int_id] = lora_request
         if adapter is not None:
@@ -158,7 +162,7 @@ class LoRAManager:
         if int_id not in self._reads and int_id not in self._failed_reads and self._may_read(pinnable):
             self.disk_reads += 1
             row = self._reserve_row()
-            self._reads[int_id] = (self._submit_read(lora_request, row), row)
+            self._reads[int_id] = (self._submit_read(lora_request, row), row, lora_request)
         return False
 
     def _submit_read(self, lora_request: LoRARequest, row: int) -> Future:
@@ -198,16 +202,18 @@ class LoRAManager:
         """Block until a background read finishes (or the timeout): for a step that has nothing to
         run but adapters on their way, rather than spinning against the reader threads."""
         if self._reads:
-            wait([future for future, _ in self._reads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
+            wait([future for future, _, _ in self._reads.values()], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def collect_reads(self) -> None:
         """Cache the reads that have finished (their adapters become ready), or record why they failed.
         The scheduler calls this once per pass, before asking about any adapter, so a read finishing
         mid-pass cannot be evicted by a later read-ahead in the same pass before its own turn came."""
-        for int_id, (future, row) in list(self._reads.items()):
+        for int_id, (future, row, lora_request) in list(self._reads.items()):
             if future.done():
                 del self._reads[int_id]
-                if future.exception() is None:
+                if self.known.get(int_id) != lora_request:  # unloaded (perhaps re-added elsewhere) meanwhile
+                    self._free_rows.append(row)
+                elif future.exception() is None:
                     self._row_ranks[row] = future.result()
                     self._cache(int_id, row)
                 else:

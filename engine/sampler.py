@@ -188,6 +188,11 @@ class Sampler:
             torch.tensor(values, dtype=logits.dtype, device=device),
             accumulate=True,
         )
+        # A bias of +inf forces its token: the row keeps only such tokens, at equal odds (softmax of +inf is NaN)
+        biased = logits[indices]
+        forced = biased.isposinf()
+        logits[indices] = torch.where(forced.any(dim=-1, keepdim=True),
+                                      torch.where(forced, 0.0, float("-inf")), biased)
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
         """Until min_tokens are out, the tokens that would end the sequence cannot be drawn."""

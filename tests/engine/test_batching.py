@@ -1,6 +1,7 @@
 """Continuous batching: batched, preempted and aborted requests give the tokens a lone run gives."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import LLM, SamplingParams
@@ -138,3 +139,40 @@ def test_a_step_that_schedules_nothing_still_delivers_pending_text(llama_engine,
     monkeypatch.setattr(llama_engine.scheduler, "schedule", original)
     final = run_to_completion(llama_engine)[request_id]
     assert final.outputs[0].token_ids == _alone(llama_engine, PROMPTS[1])
+
+
+def test_prompt_logprobs_are_the_same_when_the_prefill_is_preempted(tiny_llama):
+    """A request preempted in the middle of its chunked prefill recomputes it; its prompt logprobs are recorded once."""
+    prompt = list(range(5, 45))
+
+    def prompt_logprobs(num_kv_blocks: int):
+        engine = make_engine(tiny_llama, block_size=4, num_kv_blocks=num_kv_blocks, max_num_batched_tokens=8)
+        engine.add_request([5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        target = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1))
+        output = run_to_completion(engine)[target]
+        return output.prompt_logprobs, engine.scheduler.num_preemptions
+
+    expected, _ = prompt_logprobs(200)
+    got, preemptions = prompt_logprobs(12)
+    assert preemptions > 0
+    assert len(got) == len(prompt)
+    assert [sorted(entry) for entry in got[1:]] == [sorted(entry) for entry in expected[1:]]
+    for entry, want in zip(got[1:], expected[1:]):
+        assert all(abs(entry[t] - want[t]) < 1e-4 for t in want)
+
+
+def test_max_tokens_none_is_bounded_by_what_the_kv_cache_holds(tiny_llama):
+    """Without max_tokens a request may grow to the context window, unless the KV cache holds less: then to that."""
+    engine = make_engine(tiny_llama, block_size=4, num_kv_blocks=4, max_model_len=64)
+    request_id = engine.add_request([5, 6, 7], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))
+    finished = {}
+    for _ in range(100):  # bounded: before, the request preempted itself and waited for ever
+        finished.update({output.request_id: output for output in engine.step() if output.finished})
+    assert len(finished[request_id].outputs[0].token_ids) == 4 * 4 - 3
+
+
+@pytest.mark.parametrize("prompt", [[5.7, 6, 7], ["5", 6]])
+def test_a_prompt_of_token_ids_that_are_not_integers_is_refused(llama_engine, prompt):
+    with pytest.raises(ValueError, match="integers only"):
+        llama_engine.add_request(prompt, GREEDY)
+    assert not llama_engine.has_unfinished_requests()

@@ -3,6 +3,8 @@ room, or into the row of a copy that a slot has loaded since it was cached (the 
 a copy read ahead that no slot has loaded yet."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -73,3 +75,31 @@ def test_a_free_slot_still_reads_its_adapter_over_a_copy_no_slot_has_loaded(mana
     assert manager.is_ready(third, pinnable=True)
     assert manager.disk_reads == 3
     assert not manager.status()[first.lora_int_id].in_cpu  # the least recently cached
+
+
+def test_a_read_that_lands_after_its_adapter_was_removed_is_not_cached(manager, adapters):
+    first, second, _ = adapters
+    release = threading.Event()
+    read = manager._read
+    manager._read = lambda *args: release.wait() and read(*args)
+    assert not manager.is_ready(first, pinnable=True)
+    manager.remove(first.lora_int_id)
+    release.set()
+    _land_reads(manager)
+    assert first.lora_int_id not in manager.status()
+    assert manager.disk_reads == 1
+    _read_ahead(manager, second)  # its row went back to the free rows
+    assert manager.status()[second.lora_int_id].in_cpu
+
+
+def test_an_id_removed_while_its_requests_run_cannot_be_added_again_with_other_weights(manager, adapters):
+    first, second, _ = adapters
+    _read_ahead(manager, first)
+    manager.pin(first)  # a running request
+    manager.remove(first.lora_int_id)
+    other = LoRARequest(second.lora_name, first.lora_int_id, second.lora_path)
+    with pytest.raises(ValueError, match="running requests still use its old weights"):
+        manager.add(other)
+    manager.unpin(first)
+    manager.add(other)  # once the last request is done, the id is free
+    assert manager.known[first.lora_int_id] == other

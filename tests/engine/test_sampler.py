@@ -255,6 +255,14 @@ def test_logit_bias_can_force_a_token():
     assert sample(logits, [row(logit_bias={7: 100.0})])[0].token_id == 7
 
 
+def test_an_infinite_logit_bias_forces_its_token_when_sampling_too():
+    logits = random_logits(1)
+    for seed in range(5):
+        params = dict(temperature=1.0, seed=seed)
+        assert sample(logits, [row(logit_bias={7: float("inf")}, **params)])[0].token_id == 7
+        assert sample(logits, [row(logit_bias={3: float("inf"), 4: float("inf")}, **params)])[0].token_id in {3, 4}
+
+
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     logits = torch.zeros(3, 6)
     rows = [
