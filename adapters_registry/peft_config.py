@@ -172,7 +172,7 @@ def _targeted(names: tuple[str, ...], selection: str) -> tuple[str, ...]:
     targets = config["target_modules"]
     supported = ", ".join(LORA_PROJECTIONS)
     if isinstance(targets, str):
-        if targets == "all-linear":
+        if targets.lower() == "all-linear":  # peft's spelling check ignores case
             matched = names
         else:
             regex = re.compile(targets)
@@ -184,8 +184,8 @@ def _targeted(names: tuple[str, ...], selection: str) -> tuple[str, ...]:
                     )
             matched = [m for m in names if regex.fullmatch(m)]
     elif isinstance(targets, list) and targets and all(isinstance(t, str) for t in targets):
-        for entry in targets:
-            if not any(_list_target_matches(entry, m) for m in names):
+        for entry in targets:  # one naming no module of the model at all is passed over, as peft does
+            if any(_list_target_matches(entry, module) for module in NO_LORA_PATH_MODULES):
                 raise AdapterError(
                     f"target module {entry!r} has no LoRA path in this model (supported: {supported})."
                 )

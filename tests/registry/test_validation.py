@@ -1,5 +1,6 @@
 """Adapter validation: what loads, and each adapter the engine cannot serve correctly refused with a clear message."""
 import dataclasses
+import json
 import logging
 
 import pytest
@@ -113,10 +114,22 @@ def test_an_init_that_leaves_the_base_weights_alone_loads(adapter_copy, model_in
     assert load_adapter(adapter_copy(init_lora_weights=init), model_info).rank == 8
 
 
-@pytest.mark.parametrize("target", ["embed_tokens", "lm_head", "c_attn"])
+@pytest.mark.parametrize("target", ["embed_tokens", "lm_head"])
 def test_listed_target_without_lora_path_is_refused(adapter_copy, model_info, target):
     message = refusal(adapter_copy(target_modules=["q_proj", target]), model_info)
     assert message.startswith(f"target module '{target}' has no LoRA path in this model (supported: q_proj, k_proj")
+
+
+def test_a_listed_target_the_model_does_not_have_is_passed_over_as_peft_does(adapter_copy, good_adapter,
+                                                                            model_info):
+    targets = json.loads((good_adapter / "adapter_config.json").read_text())["target_modules"]
+    adapter = load_adapter(adapter_copy(target_modules=[*targets, "c_attn"]), model_info)
+    assert adapter.modules.keys() == load_adapter(good_adapter, model_info).modules.keys()
+
+
+def test_all_linear_in_capitals_targets_every_projection(adapter_copy, good_adapter, model_info):
+    adapter = load_adapter(adapter_copy(target_modules="ALL-LINEAR"), model_info)
+    assert adapter.modules.keys() == load_adapter(good_adapter, model_info).modules.keys()
 
 
 def test_regex_target_matching_lm_head_is_refused(adapter_copy, model_info):
