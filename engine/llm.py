@@ -33,7 +33,7 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
+    def generate(self, prompts: Prompt | dict | Sequence[Prompt | dict],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
@@ -66,7 +66,7 @@ class LLM:
         ids = []
         try:
             for prompt, param, lora in zip(prompts, params, loras):
-                ids.append(engine.add_request(prompt, param, lora))
+                ids.append(engine.add_request(prompt, param, lora, stop_at_context_end=True))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
@@ -88,12 +88,24 @@ class LLM:
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    prompts = list(prompts)
-    if prompts and isinstance(prompts[0], int):
-        return [prompts]
-    return prompts
+    """vLLM's prompt forms, one or a list: text, token ids, or a dict with `prompt` or `prompt_token_ids`."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
+    else:
+        prompts = list(prompts)
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+    return [_prompt(prompt) for prompt in prompts]
+
+
+def _prompt(prompt) -> Prompt:
+    if not isinstance(prompt, dict):
+        return prompt
+    if "prompt_token_ids" in prompt:
+        return list(prompt["prompt_token_ids"])
+    if "prompt" in prompt:
+        return prompt["prompt"]
+    raise ValueError(f"A prompt dict needs a 'prompt' or a 'prompt_token_ids' key; this one has {sorted(prompt)}")
 
 
 def _per_prompt(value, count: int, name: str, kind: type) -> list:

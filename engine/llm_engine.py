@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 
 import torch
+import transformers
 
 from adapters_registry import ModelInfo
 
@@ -153,7 +154,7 @@ class LLMEngine:
         self.async_scheduling = config.async_scheduling and config.tensor_parallel_size == 1 and (
             self.runner.graphs is not None or config.async_scheduling_eager)
         self._in_flight: InFlightStep | None = None
-        self.eos_token_ids = self._eos_token_ids()
+        self.eos_token_ids = self._eos_token_ids(model_dir)
         self.sampler = Sampler(self.eos_token_ids, self.hf_config.vocab_size)
         if self.device.type == "cuda":
             warm_up_greedy(self.sampler, self.dtype, self.device, self.scheduler.max_num_seqs)
@@ -230,9 +231,15 @@ class LLMEngine:
                          name_or_path=self.model_name, module_shapes=self.model.module_shapes(),
                          max_lora_rank=self.config.max_lora_rank)
 
-    def _eos_token_ids(self) -> set[int]:
+    def _eos_token_ids(self, model_dir) -> set[int]:
+        """The tokenizer's, config.json's and generation_config.json's end-of-sequence ids (as vLLM stops at the
+        last's too: chat models often list their end-of-turn token there only)."""
+        try:
+            generation_eos = transformers.GenerationConfig.from_pretrained(model_dir).eos_token_id
+        except OSError:  # no generation_config.json
+            generation_eos = None
         ids = set()
-        for value in (self.tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None)):
+        for value in (self.tokenizer.eos_token_id, getattr(self.hf_config, "eos_token_id", None), generation_eos):
             if isinstance(value, int):
                 ids.add(value)
             elif isinstance(value, (list, tuple)):
@@ -244,7 +251,10 @@ class LLMEngine:
         return self.tokenizer(prompt)["input_ids"]
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    lora_request: LoRARequest | None = None, request_id: str | None = None) -> str:
+                    lora_request: LoRARequest | None = None, request_id: str | None = None,
+                    stop_at_context_end: bool = False) -> str:
+        """stop_at_context_end: a prompt whose max_tokens reach past the context window stops at its end (vLLM's
+        offline engine) rather than being refused (its OpenAI server)."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._request_ids))
@@ -255,6 +265,8 @@ class LLMEngine:
         if params.max_tokens is None:  # as many as the context window, and the KV cache, hold
             room = min(self.max_model_len, self.allocator.num_blocks * self.block_size) - len(token_ids)
             params = _with_max_tokens(params, max(room, 1))
+        elif stop_at_context_end and 0 < self.max_model_len - len(token_ids) < params.max_tokens:
+            params = _with_max_tokens(params, self.max_model_len - len(token_ids))
         self._check_prompt(token_ids, params)
         self.sampler.validate(params)
         if lora_request is not None:

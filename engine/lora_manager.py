@@ -109,11 +109,14 @@ class LoRAManager:
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
         """Make an adapter known (and cache its already-loaded weights, if given)."""
         self._check_identity(lora_request)
-        if lora_request.lora_int_id in self.removed and self.pins[lora_request.lora_int_id]:
-            raise ValueError(f"lora_int_id {lora_request.lora_int_id} was unloaded, and running requests still use "
-                             f"its old weights; add the adapter under another id")
-        self.removed.discard(lora_request.lora_int_id)
-        self.known[lora_request.lora_int_id] = lora_request
+        int_id = lora_request.lora_int_id
+        if int_id in self.removed:
+            if self.pins[int_id]:
+                raise ValueError(f"lora_int_id {int_id} was unloaded, and running requests still use its old "
+                                 f"weights; add the adapter under another id")
+            self._free(int_id)  # a copy that lingers (a read that landed after the unload) is the old adapter's
+            self.removed.discard(int_id)
+        self.known[int_id] = lora_request
         if adapter is not None:
             row = self._reserve_row()
             self._wait_for_row(row)
@@ -211,7 +214,7 @@ class LoRAManager:
         for int_id, (future, row, lora_request) in list(self._reads.items()):
             if future.done():
                 del self._reads[int_id]
-                if self.known.get(int_id) != lora_request:  # unloaded (perhaps re-added elsewhere) meanwhile
+                if self.known.get(int_id, lora_request) != lora_request:  # the id was given to another adapter
                     self._free_rows.append(row)
                 elif future.exception() is None:
                     self._row_ranks[row] = future.result()

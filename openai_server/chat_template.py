@@ -36,14 +36,9 @@ def render_chat(
     if not template:
         raise bad_request("This model has no chat template; start the server with --chat-template.")
     try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            chat_template=template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(template_kwargs or {}),
-        )
+        options = {"add_generation_prompt": add_generation_prompt, "continue_final_message": continue_final_message}
+        options.update(template_kwargs or {})  # the request's chat_template_kwargs win, as in vLLM
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, **options)
     except (TemplateError, ValueError, TypeError) as exc:
         raise bad_request(f"Cannot apply the chat template to these messages: {exc}", param="messages") from None
     return tokenizer.encode(text, add_special_tokens=False)

@@ -24,6 +24,48 @@ def test_token_id_prompts_and_string_prompts_agree(llm):
     assert by_ids.prompt is None and by_ids.prompt_token_ids == ids
 
 
+def test_vllm_prompt_dicts_are_text_and_token_id_prompts(llm):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    ids = llm.get_tokenizer()("Hello world")["input_ids"]
+    (plain,) = llm.generate("Hello world", params, use_tqdm=False)
+    (one,) = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)
+    by_text, by_ids = llm.generate([{"prompt": "Hello world"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert one.prompt_token_ids == by_ids.prompt_token_ids == ids and by_text.prompt == "Hello world"
+    assert plain.outputs[0].token_ids == one.outputs[0].token_ids == by_text.outputs[0].token_ids \
+        == by_ids.outputs[0].token_ids
+
+
+def test_a_prompt_dict_without_a_prompt_is_refused(llm):
+    with pytest.raises(ValueError, match="'prompt' or a 'prompt_token_ids' key"):
+        llm.generate({"text": "Hello"}, use_tqdm=False)
+
+
+def test_max_tokens_past_the_context_window_stop_at_its_end_offline(tiny_llama):
+    """As in vLLM's offline engine: the request runs to the end of the context window (its server refuses it)."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", max_model_len=32)
+    prompt = list(range(10, 30))
+    (output,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 32 - len(prompt)
+    assert output.outputs[0].finish_reason == "length"
+
+
+def test_end_of_sequence_ids_from_generation_config_stop_the_text(tiny_llama, tmp_path):
+    """Chat models often list their end-of-turn token in generation_config.json only; vLLM stops at it too."""
+    import json
+    import shutil
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    (free,) = LLM(str(model), dtype="float32", device="cpu").generate("Hello", params, use_tqdm=False)
+    end_of_turn = free.outputs[0].token_ids[2]
+    config = json.loads((model / "config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [config["eos_token_id"], end_of_turn]}))
+    (stopped,) = LLM(str(model), dtype="float32", device="cpu").generate("Hello", params, use_tqdm=False)
+    assert stopped.outputs[0].finish_reason == "stop"
+    assert stopped.outputs[0].token_ids == free.outputs[0].token_ids[:free.outputs[0].token_ids.index(end_of_turn) + 1]
+
+
 def test_a_list_of_sampling_params_applies_per_prompt(llm):
     outputs = llm.generate(["a", "b"], [SamplingParams(max_tokens=2, ignore_eos=True),
                                         SamplingParams(max_tokens=4, ignore_eos=True)], use_tqdm=False)

@@ -21,12 +21,17 @@ def adapters(tiny_llama, tmp_path_factory):
             for i in range(3)]
 
 
+def _manager(tiny_llama) -> LoRAManager:
+    """One slot, two host copies."""
+    engine = make_engine(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=4)
+    return LoRAManager(engine.model, engine.model_info, max_loras=1, max_lora_rank=4, max_cpu_loras=2,
+                       device=torch.device("cpu"), dtype=torch.float32)
+
+
 @pytest.fixture
 def manager(tiny_llama, adapters) -> LoRAManager:
     """One slot, two host copies, the adapters known but none read."""
-    engine = make_engine(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=4)
-    manager = LoRAManager(engine.model, engine.model_info, max_loras=1, max_lora_rank=4, max_cpu_loras=2,
-                          device=torch.device("cpu"), dtype=torch.float32)
+    manager = _manager(tiny_llama)
     manager.ensure_loaded(adapters)
     return manager
 
@@ -77,19 +82,20 @@ def test_a_free_slot_still_reads_its_adapter_over_a_copy_no_slot_has_loaded(mana
     assert not manager.status()[first.lora_int_id].in_cpu  # the least recently cached
 
 
-def test_a_read_that_lands_after_its_adapter_was_removed_is_not_cached(manager, adapters):
+def test_an_id_given_to_another_adapter_never_serves_the_old_adapters_late_read(manager, adapters, tiny_llama):
     first, second, _ = adapters
     release = threading.Event()
     read = manager._read
-    manager._read = lambda *args: release.wait() and read(*args)
-    assert not manager.is_ready(first, pinnable=True)
+    manager._read = lambda lora, *args: (lora != first or release.wait()) and read(lora, *args)
+    assert not manager.is_ready(first, pinnable=True)  # its read waits
     manager.remove(first.lora_int_id)
+    other = LoRARequest(second.lora_name, first.lora_int_id, second.lora_path)
+    manager.add(other)
     release.set()
     _land_reads(manager)
-    assert first.lora_int_id not in manager.status()
-    assert manager.disk_reads == 1
-    _read_ahead(manager, second)  # its row went back to the free rows
-    assert manager.status()[second.lora_int_id].in_cpu
+    fresh = _manager(tiny_llama)
+    fresh.add(second)
+    assert torch.equal(manager._pool[manager.host[other.lora_int_id]], fresh._pool[fresh.host[second.lora_int_id]])
 
 
 def test_an_id_removed_while_its_requests_run_cannot_be_added_again_with_other_weights(manager, adapters):

@@ -226,3 +226,12 @@ def test_json_nested_too_deeply_is_400(http):
     response = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert "nested too deeply" in response.json()["error"]["message"]
+
+
+def test_chat_template_kwargs_may_override_the_generation_prompt(http):
+    """As in vLLM, the request's chat_template_kwargs win over the server's own template arguments."""
+    body = {"model": "alpha", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 1}
+    default = http.post("/v1/chat/completions", json=body).json()
+    without = http.post("/v1/chat/completions", json={**body, "chat_template_kwargs": {"add_generation_prompt": False}})
+    assert without.status_code == 200
+    assert without.json()["usage"]["prompt_tokens"] < default["usage"]["prompt_tokens"]
