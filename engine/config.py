@@ -51,9 +51,11 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be cpu, cuda or auto; got {self.device!r}")
-        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_num_seqs", "block_size", "max_loras", "max_lora_rank", "tensor_parallel_size",
+                     "max_model_len", "max_num_batched_tokens", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None and value < 1:  # None: derived from the model or the memory
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         if self.max_cpu_loras < self.max_loras:

@@ -195,7 +195,11 @@ def _from_env_text(option: _Option, text: str, source: str) -> object:
 
 def _convert(option: _Option, value: object, source: str) -> object:
     try:
+        if option.kind in ("int", "float", "str") and isinstance(value, (bool, list, dict)):
+            raise TypeError  # YAML's other types are not numbers or text, whatever int() or str() make of them
         if option.kind == "int":
+            if isinstance(value, float):
+                raise TypeError
             return int(value)
         if option.kind == "float":
             return float(value)
@@ -312,6 +316,8 @@ def resolve_config(namespace: argparse.Namespace, environ: Mapping[str, str], cw
         merged.update(layer)
     config = ServeConfig(**merged)
     config.config_file = str(config_path) if config_path else None
+    if not 0 <= config.port <= 65535:
+        raise ConfigError(f"port must be from 0 to 65535, got {config.port}")
     return config
 
 

@@ -72,7 +72,8 @@ class Generation:
             await self._stream.aclose()
             await _abort(self.engine, self.request_id)
         reason = (self.last.outputs[0].finish_reason if finished else None) or "abort"
-        self._tracker.finish(reason, len(self.last.prompt_token_ids), _num_generated(self.last))
+        longest = max(len(completion.token_ids) for completion in self.last.outputs)
+        self._tracker.finish(reason, len(self.last.prompt_token_ids), _num_generated(self.last), longest)
 
 
 def _num_generated(output) -> int:

@@ -106,7 +106,9 @@ class RequestTracker:
             self.first_token = time.perf_counter()
             self.metrics.ttft.labels(self.adapter).observe(self.first_token - self.arrival)
 
-    def finish(self, finish_reason: str, prompt_tokens: int, generated_tokens: int) -> None:
+    def finish(self, finish_reason: str, prompt_tokens: int, generated_tokens: int, longest_choice: int) -> None:
+        """generated_tokens: over all n choices; longest_choice: the most one choice made, which the time per
+        output token divides by (the choices decode side by side, one token each a step)."""
         if self.done:
             return
         self.done = True
@@ -116,5 +118,5 @@ class RequestTracker:
         m.prompt_tokens.labels(self.adapter).inc(prompt_tokens)
         m.generation_tokens.labels(self.adapter).inc(generated_tokens)
         m.e2e.labels(self.adapter).observe(now - self.arrival)
-        if self.first_token is not None and generated_tokens > 1:
-            m.tpot.labels(self.adapter).observe((now - self.first_token) / (generated_tokens - 1))
+        if self.first_token is not None and longest_choice > 1:
+            m.tpot.labels(self.adapter).observe((now - self.first_token) / (longest_choice - 1))

@@ -1,10 +1,14 @@
 """API keys, the runtime-updating gate, and the operational routes (/health, /metrics, /version)."""
 from __future__ import annotations
 
+import time
+
 import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from openai_server.metrics import ServerMetrics
 
 from .conftest import API_KEY, SERVED_NAMES
 
@@ -97,3 +101,15 @@ def test_metrics_expose_engine_gauges(http):
         "loraserve_adapter_running_requests", "loraserve_num_preemptions_total", "loraserve_lora_slot_loads_total",
         "loraserve_lora_disk_reads_total",
     } <= samples
+
+
+def test_time_per_output_token_of_n_choices_divides_by_the_longest_choice():
+    """The n choices of a request decode side by side: 8 s after the first tokens, 4 choices of 5 tokens each
+    took 2 s a token, not 8 / 19."""
+    metrics = ServerMetrics(engine=None, adapter_names=dict)
+    tracker = metrics.tracker("a")
+    tracker.first_token = time.perf_counter() - 8.0
+    tracker.finish("length", prompt_tokens=3, generated_tokens=4 * 5, longest_choice=5)
+    (family,) = metrics.tpot.collect()
+    (total,) = [s.value for s in family.samples if s.name.endswith("_sum") and s.labels == {"adapter": "a"}]
+    assert total == pytest.approx(2.0, abs=0.05)

@@ -97,8 +97,14 @@ def test_boolean_flag_has_a_negative_form(workdir):
         ([], {"LORASERVE_ENABLE_LORA": "maybe"}, "", "expected true or false"),
         ([], {"LORA_ADAPTERS": "a=b=c"}, "", "Invalid LoRA adapter format"),
         (["--config", "missing.yaml"], {}, "", "does not exist"),
+        ([], {}, "port: 8000.7\n", "expected int, got 8000.7"),
+        ([], {}, "port: true\n", "expected int, got True"),
+        ([], {}, "host: [a, b]\n", "setting 'host': expected str, got"),
+        (["--port", "-5"], {}, "", "port must be from 0 to 65535, got -5"),
+        ([], {"LORASERVE_PORT": "70000"}, "", "port must be from 0 to 65535, got 70000"),
     ],
-    ids=["unknown_key", "bad_type", "bad_bool", "bad_adapter_spec", "missing_file"],
+    ids=["unknown_key", "bad_type", "bad_bool", "bad_adapter_spec", "missing_file", "float_for_int", "bool_for_int",
+         "list_for_text", "negative_port", "port_too_high"],
 )
 def test_bad_settings_name_the_problem(tmp_path, argv, environ, content, message):
     (tmp_path / "config.yaml").write_text(content)
