@@ -195,6 +195,8 @@ def _from_env_text(option: _Option, text: str, source: str) -> object:
 
 def _convert(option: _Option, value: object, source: str) -> object:
     try:
+        if option.name == "lora_adapters" and isinstance(value, list):
+            return ",".join(str(item) for item in value)
         if option.kind in ("int", "float", "str") and isinstance(value, (bool, list, dict)):
             raise TypeError  # YAML's other types are not numbers or text, whatever int() or str() make of them
         if option.kind == "int":
@@ -210,8 +212,6 @@ def _convert(option: _Option, value: object, source: str) -> object:
         if option.kind == "list":
             items = value if isinstance(value, list) else [value]
             return [json.dumps(item) if isinstance(item, dict) else str(item) for item in items]
-        if option.name == "lora_adapters" and isinstance(value, list):
-            return ",".join(str(item) for item in value)
         text = str(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: expected {option.kind}, got {value!r}") from None

@@ -89,6 +89,12 @@ def test_boolean_flag_has_a_negative_form(workdir):
     assert serve_config_from_args(["--no-enable-lora"], environ={}, cwd=workdir).enable_lora is False
 
 
+def test_tgi_adapters_may_be_a_yaml_list(workdir, tmp_path):
+    (workdir / "config.yaml").write_text(f"lora_adapters:\n  - a={tmp_path}\n  - b={tmp_path}\n")
+    config = serve_config_from_args([], environ={}, cwd=workdir)
+    assert [spec.name for spec in config.lora_adapters] == ["a", "b"]
+
+
 @pytest.mark.parametrize(
     "argv, environ, content, message",
     [
