@@ -102,7 +102,7 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("tokenizer", "Tokenizer directory or Hub id, if not the model's.", path=True),
     _Option("host", "Address to listen on (default 127.0.0.1)."),
     _Option("port", "Port to listen on (default 8000).", "int"),
-    _Option("served_model_name", "Name(s) clients use for the base model in `model`; the first is reported "
+    _Option("served_model_name", "Name(s) clients use for the base model in `model`, each listed by /v1/models "
             "(default: the model path or id).", "list"),
     _Option("api_key", "Require `Authorization: Bearer KEY` on /v1/* and the TGI routes.", env=("VLLM_API_KEY",)),
     _Option("dtype", "Weights and activations dtype (default auto: bfloat16 on GPU, float32 on CPU).",
