@@ -172,6 +172,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = {"str": str, "int": int, "float": float}[option.kind]
         if option.choices:
             kwargs["choices"] = option.choices
+            kwargs["type"] = str.lower
         parser.add_argument(option.flag, **kwargs)
 
 
@@ -212,7 +213,7 @@ def _convert(option: _Option, value: object, source: str) -> object:
         if option.kind == "list":
             items = value if isinstance(value, list) else [value]
             return [json.dumps(item) if isinstance(item, dict) else str(item) for item in items]
-        text = str(value)
+        text = str(value).lower() if option.choices else str(value)  # choices ignore case: INFO, as logging spells it
     except (TypeError, ValueError):
         raise ConfigError(f"{source}: expected {option.kind}, got {value!r}") from None
     if option.choices and text not in option.choices:
@@ -318,6 +319,8 @@ def resolve_config(namespace: argparse.Namespace, environ: Mapping[str, str], cw
     config.config_file = str(config_path) if config_path else None
     if not 0 <= config.port <= 65535:
         raise ConfigError(f"port must be from 0 to 65535, got {config.port}")
+    if config.max_logprobs < 0:
+        raise ConfigError(f"max_logprobs must be at least 0, got {config.max_logprobs}")
     return config
 
 

@@ -89,6 +89,11 @@ def test_boolean_flag_has_a_negative_form(workdir):
     assert serve_config_from_args(["--no-enable-lora"], environ={}, cwd=workdir).enable_lora is False
 
 
+def test_a_choice_may_be_written_in_capitals(tmp_path):
+    assert serve_config_from_args([], environ={"LORASERVE_LOG_LEVEL": "INFO"}, cwd=tmp_path).log_level == "info"
+    assert serve_config_from_args(["--log-level", "DEBUG"], environ={}, cwd=tmp_path).log_level == "debug"
+
+
 def test_tgi_adapters_may_be_a_yaml_list(workdir, tmp_path):
     (workdir / "config.yaml").write_text(f"lora_adapters:\n  - a={tmp_path}\n  - b={tmp_path}\n")
     config = serve_config_from_args([], environ={}, cwd=workdir)
@@ -108,9 +113,10 @@ def test_tgi_adapters_may_be_a_yaml_list(workdir, tmp_path):
         ([], {}, "host: [a, b]\n", "setting 'host': expected str, got"),
         (["--port", "-5"], {}, "", "port must be from 0 to 65535, got -5"),
         ([], {"LORASERVE_PORT": "70000"}, "", "port must be from 0 to 65535, got 70000"),
+        (["--max-logprobs", "-1"], {}, "", "max_logprobs must be at least 0, got -1"),
     ],
     ids=["unknown_key", "bad_type", "bad_bool", "bad_adapter_spec", "missing_file", "float_for_int", "bool_for_int",
-         "list_for_text", "negative_port", "port_too_high"],
+         "list_for_text", "negative_port", "port_too_high", "negative_max_logprobs"],
 )
 def test_bad_settings_name_the_problem(tmp_path, argv, environ, content, message):
     (tmp_path / "config.yaml").write_text(content)
