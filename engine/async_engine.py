@@ -137,10 +137,9 @@ class AsyncEngine:
             with self._wakeup:
                 while not self._stopped and not self._commands and not self.engine.has_unfinished_requests():
                     self._wakeup.wait()
-                if self._stopped:
-                    commands, self._commands = self._commands, deque()
-                    break
                 commands, self._commands = self._commands, deque()
+                if self._stopped:
+                    break
             self._run_commands(commands)
             if self.engine.has_unfinished_requests():
                 self._step()

@@ -262,11 +262,12 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        context_room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:  # as many as the context window, and the KV cache, hold
-            room = min(self.max_model_len, self.allocator.num_blocks * self.block_size) - len(token_ids)
-            params = _with_max_tokens(params, max(room, 1))
-        elif stop_at_context_end and 0 < self.max_model_len - len(token_ids) < params.max_tokens:
-            params = _with_max_tokens(params, self.max_model_len - len(token_ids))
+            cache_room = self.allocator.num_blocks * self.block_size - len(token_ids)
+            params = _with_max_tokens(params, max(min(context_room, cache_room), 1))
+        elif stop_at_context_end and 0 < context_room < params.max_tokens:
+            params = _with_max_tokens(params, context_room)
         self._check_prompt(token_ids, params)
         self.sampler.validate(params)
         if lora_request is not None:

@@ -198,11 +198,10 @@ def _convert(option: _Option, value: object, source: str) -> object:
     try:
         if option.name == "lora_adapters" and isinstance(value, list):
             return ",".join(str(item) for item in value)
-        if option.kind in ("int", "float", "str") and isinstance(value, (bool, list, dict)):
-            raise TypeError  # YAML's other types are not numbers or text, whatever int() or str() make of them
+        not_of_kind = {"int": (bool, list, dict, float), "float": (bool, list, dict), "str": (bool, list, dict)}
+        if isinstance(value, not_of_kind.get(option.kind, ())):
+            raise TypeError  # YAML's other types are not this kind, whatever int() or str() make of them
         if option.kind == "int":
-            if isinstance(value, float):
-                raise TypeError
             return int(value)
         if option.kind == "float":
             return float(value)
