@@ -4,10 +4,10 @@ from .config import EngineConfig
 from .llm import LLM
 from .llm_engine import EngineStats, LLMEngine
 from .lora_request import LoRARequest
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
 __all__ = [
-    "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "LoRARequest",
+    "AsyncEngine", "CompletionOutput", "EngineConfig", "EngineStats", "LLM", "LLMEngine", "Logprob", "LoRARequest",
     "RequestOutput", "SamplingParams",
 ]

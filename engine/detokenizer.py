@@ -11,6 +11,7 @@ from functools import partial
 
 from transformers import PreTrainedTokenizerBase, TokenizersBackend
 
+from engine.outputs import PositionLogprobs
 from engine.sampling_params import SamplingParams
 
 # How many prompt tokens give the first generated token its context (spaces, merges), as in vLLM.
@@ -117,3 +118,24 @@ def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]
     if cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode:
         return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
     return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+class TokenTexts:
+    """Each token id decoded alone, with its special tokens shown (vLLM's `decoded_token`), cached per id:
+    logprobs name the same few thousand tokens over and over."""
+
+    def __init__(self, tokenizer):
+        self._decode = _decoder(tokenizer, skip_special_tokens=False)
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._decode([token_id])
+        return text
+
+    def fill(self, position: PositionLogprobs) -> PositionLogprobs:
+        """The position with each Logprob's decoded_token set."""
+        for token_id, logprob in position.items():
+            logprob.decoded_token = self(token_id)
+        return position

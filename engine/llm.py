@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from tqdm import tqdm
 
@@ -12,6 +13,14 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
+
+
+@dataclass
+class _PromptInput:
+    """One prompt as the engine takes it, and its text when the prompt is token ids rendered from one."""
+
+    prompt: Prompt
+    text: str | None = None
 
 
 class LLM:
@@ -48,17 +57,18 @@ class LLM:
              lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """As vLLM's: each conversation rendered by the chat template, which writes its own special tokens;
+        the outputs' prompt is the rendered text."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        prompts = [
-            list(tokenizer.apply_chat_template(conv, chat_template=chat_template, tokenize=True,
-                                               add_generation_prompt=add_generation_prompt, return_dict=True)
-                 ["input_ids"])
-            for conv in conversations
-        ]
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
+                                                 add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, lora_request, use_tqdm)
 
-    def _run(self, prompts: list[Prompt], params: list[SamplingParams], loras: list[LoRARequest | None],
+    def _run(self, prompts: list[_PromptInput], params: list[SamplingParams], loras: list[LoRARequest | None],
              use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         if engine.lora_manager is not None:
@@ -66,7 +76,8 @@ class LLM:
         ids = []
         try:
             for prompt, param, lora in zip(prompts, params, loras):
-                ids.append(engine.add_request(prompt, param, lora, stop_at_context_end=True))
+                ids.append(engine.add_request(prompt.prompt, param, lora, stop_at_context_end=True,
+                                              prompt_text=prompt.text))
         except Exception:
             for request_id in ids:
                 engine.abort(request_id)
@@ -87,7 +98,7 @@ class LLM:
         return [finished[request_id] for request_id in ids]
 
 
-def _as_prompt_list(prompts) -> list[Prompt]:
+def _as_prompt_list(prompts) -> list[_PromptInput]:
     """vLLM's prompt forms, one or a list: text, token ids, or a dict with `prompt` or `prompt_token_ids`."""
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
@@ -98,13 +109,14 @@ def _as_prompt_list(prompts) -> list[Prompt]:
     return [_prompt(prompt) for prompt in prompts]
 
 
-def _prompt(prompt) -> Prompt:
+def _prompt(prompt) -> _PromptInput:
+    """A dict with both keys is token ids and the text they came from, as vLLM's chat passes them."""
     if not isinstance(prompt, dict):
-        return prompt
+        return _PromptInput(prompt)
     if "prompt_token_ids" in prompt:
-        return list(prompt["prompt_token_ids"])
+        return _PromptInput(list(prompt["prompt_token_ids"]), prompt.get("prompt"))
     if "prompt" in prompt:
-        return prompt["prompt"]
+        return _PromptInput(prompt["prompt"])
     raise ValueError(f"A prompt dict needs a 'prompt' or a 'prompt_token_ids' key; this one has {sorted(prompt)}")
 
 

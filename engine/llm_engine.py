@@ -15,7 +15,7 @@ import transformers
 from adapters_registry import ModelInfo
 
 from .config import EngineConfig
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, TokenTexts
 from .kv_cache import BlockAllocator, allocate_kv_caches, bytes_per_block
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
@@ -106,6 +106,7 @@ class LLMEngine:
         model_dir, self.model_name = resolve_model_dir(config.model, config.revision)
         self.hf_config = load_hf_config(model_dir)
         self.tokenizer = load_tokenizer(config.tokenizer or model_dir)
+        self.token_texts = TokenTexts(self.tokenizer)  # logprobs' decoded tokens
         limit = self.hf_config.max_position_embeddings
         self.max_model_len = config.max_model_len or limit
         if self.max_model_len > limit:
@@ -252,15 +253,16 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None, request_id: str | None = None,
-                    stop_at_context_end: bool = False) -> str:
+                    stop_at_context_end: bool = False, prompt_text: str | None = None) -> str:
         """stop_at_context_end: a prompt whose max_tokens reach past the context window stops at its end (vLLM's
-        offline engine) rather than being refused (its OpenAI server)."""
+        offline engine) rather than being refused (its OpenAI server). prompt_text: the text token ids were
+        rendered from (a chat template's), reported as the outputs' prompt."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._request_ids))
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt)
         context_room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:  # as many as the context window, and the KV cache, hold
@@ -517,7 +519,8 @@ class LLMEngine:
             hidden = result.hidden[offset:offset + end - first]
             logprobs = compute_logprobs(self.model.compute_logits(hidden))
             targets = seq.token_ids[first + 1:end + 1]
-            record.extend(gather_logprobs(logprobs, targets, request.params.prompt_logprobs))
+            positions = gather_logprobs(logprobs, targets, request.params.prompt_logprobs)
+            record.extend(map(self.token_texts.fill, positions))
 
     def _append_token(self, seq: Sequence, token) -> bool:
         """Record a sampled token; True when the sequence goes on and its detokenization is deferred."""
@@ -525,7 +528,7 @@ class LLMEngine:
         seq.token_ids.append(token.token_id)
         seq.cumulative_logprob += token.logprob
         if seq.logprobs is not None:
-            seq.logprobs.append(token.top_logprobs or {token.token_id: token.logprob})
+            seq.logprobs.append(self.token_texts.fill(token.top_logprobs))
         num_output = len(seq.token_ids) - seq.num_prompt_tokens
         stop_token = num_output >= params.min_tokens and (
             (token.token_id in self.eos_token_ids and not params.ignore_eos)

@@ -3,8 +3,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# token id -> logprob, for one position (the chosen token plus the top-k alternatives)
-PositionLogprobs = dict[int, float]
+
+@dataclass
+class Logprob:
+    """One token's log-probability at one position, as vLLM reports it."""
+
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None  # the token alone, decoded
+
+
+# token id -> its Logprob, for one position (the chosen token plus the top-k alternatives)
+PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from kernels.greedy import greedy
 
@@ -34,7 +35,7 @@ class SampledToken:
     token_id: int
     logprob: float  # of token_id under the raw model distribution
     # With params.logprobs = k: the k most likely tokens (most likely first) plus the chosen one.
-    top_logprobs: dict[int, float] | None = None
+    top_logprobs: dict[int, Logprob] | None = None
 
 
 class PendingTokens:
@@ -96,22 +97,26 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(dim=-1)
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict[int, float]]:
-    """Per row of logprobs [N, V]: the num_top most likely tokens plus token_ids[row], as vLLM reports them.
+def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict[int, Logprob]]:
+    """Per row of logprobs [N, V]: the num_top most likely tokens plus token_ids[row], with their ranks, as
+    vLLM reports them (decoded_token is left to the caller, which has the tokenizer).
 
     The engine uses this for prompt_logprobs (row i holds the distribution that predicted token_ids[i]).
     """
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
+    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
+    result = [{token_id: Logprob(lp, rank)} for token_id, lp, rank in zip(token_ids, chosen.squeeze(1).tolist(), ranks)]
     num_top = min(num_top, logprobs.shape[-1])
     if num_top == 0:
-        return [{token_id: lp} for token_id, lp in zip(token_ids, chosen)]
+        return result
     values, indices = logprobs.topk(num_top, dim=-1)
-    result = []
-    for token_id, lp, top_ids, top_values in zip(token_ids, chosen, indices.tolist(), values.tolist()):
-        entry = dict(zip(top_ids, top_values))
-        entry.setdefault(token_id, lp)
-        result.append(entry)
-    return result
+    tops = []
+    for chosen_entry, top_ids, top_values in zip(result, indices.tolist(), values.tolist()):
+        entry = {token_id: Logprob(lp, rank) for rank, (token_id, lp) in enumerate(zip(top_ids, top_values), 1)}
+        for token_id, logprob in chosen_entry.items():
+            entry.setdefault(token_id, logprob)
+        tops.append(entry)
+    return tops
 
 
 class Sampler:
@@ -266,7 +271,7 @@ class Sampler:
                 entry = dict(list(top.items())[:k])
                 entry.setdefault(ids[i], top[ids[i]])
                 result[i].top_logprobs = entry
-                result[i].logprob = entry[ids[i]]
+                result[i].logprob = entry[ids[i]].logprob
         return result
 
 

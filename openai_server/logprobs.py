@@ -1,9 +1,12 @@
-"""Engine logprobs (one {token_id: logprob} per position) → OpenAI's completion and chat logprob shapes."""
+"""Engine logprobs (one {token_id: Logprob} per position) → OpenAI's completion and chat logprob shapes."""
 from __future__ import annotations
 
 import math
 import re
 from functools import lru_cache
+
+from engine.detokenizer import TokenTexts
+from engine.outputs import PositionLogprobs
 
 # JSON has no -inf; clients get this floor instead (as vLLM does).
 MIN_LOGPROB = -9999.0
@@ -28,20 +31,20 @@ def _clamp(logprob: float) -> float:
     return MIN_LOGPROB if math.isinf(logprob) or math.isnan(logprob) else max(logprob, MIN_LOGPROB)
 
 
+def _logprob(position: PositionLogprobs, token_id: int) -> float:
+    entry = position.get(token_id)
+    return -math.inf if entry is None else entry.logprob
+
+
 class LogprobFormatter:
     """Turns token ids into the strings and bytes clients see, cached per id."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._text: dict[int, str] = {}
+        self.text = TokenTexts(tokenizer)
         self._bytes: dict[int, list[int]] = {}
         space = tokenizer.convert_ids_to_tokens(tokenizer.encode(" a", add_special_tokens=False))
         self._byte_level = any(piece.startswith("Ġ") for piece in space)
-
-    def text(self, token_id: int) -> str:
-        if token_id not in self._text:
-            self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return self._text[token_id]
 
     def bytes(self, token_id: int) -> list[int]:
         """The token's exact bytes, even when it holds only part of a UTF-8 character."""
@@ -58,11 +61,11 @@ class LogprobFormatter:
         return self._bytes[token_id]
 
     @staticmethod
-    def _top(position: dict[int, float], k: int) -> list[tuple[int, float]]:
-        return sorted(position.items(), key=lambda item: -item[1])[:k]
+    def _top(position: PositionLogprobs, k: int) -> list[tuple[int, float]]:
+        return sorted(((t, lp.logprob) for t, lp in position.items()), key=lambda item: -item[1])[:k]
 
     def completion(
-        self, token_ids: list[int], positions: list[dict[int, float] | None], top_k: int, offset: int
+        self, token_ids: list[int], positions: list[PositionLogprobs | None], top_k: int, offset: int
     ) -> dict:
         """`{tokens, token_logprobs, top_logprobs, text_offset}`; a position without logprobs (the first
         prompt token) gets nulls. top_logprobs holds the top k plus the chosen token, as in vLLM."""
@@ -76,18 +79,19 @@ class LogprobFormatter:
                 token_logprobs.append(None)
                 top_logprobs.append(None)
                 continue
-            token_logprobs.append(_clamp(position.get(token_id, -math.inf)))
+            chosen = _logprob(position, token_id)
+            token_logprobs.append(_clamp(chosen))
             top = dict(self._top(position, top_k))
-            top.setdefault(token_id, position.get(token_id, -math.inf))
+            top.setdefault(token_id, chosen)
             top_logprobs.append({self.text(t): _clamp(lp) for t, lp in top.items()})
         return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": text_offset}
 
-    def chat(self, token_ids: list[int], positions: list[dict[int, float]], top_k: int) -> list[dict]:
+    def chat(self, token_ids: list[int], positions: list[PositionLogprobs], top_k: int) -> list[dict]:
         """The `content` list of chat logprobs: one `{token, logprob, bytes, top_logprobs}` per token."""
         return [
             {
                 "token": self.text(token_id),
-                "logprob": _clamp(position.get(token_id, -math.inf)),
+                "logprob": _clamp(_logprob(position, token_id)),
                 "bytes": self.bytes(token_id),
                 "top_logprobs": [
                     {"token": self.text(t), "logprob": _clamp(lp), "bytes": self.bytes(t)}

@@ -10,6 +10,7 @@ from starlette.responses import JSONResponse, Response
 
 from engine import SamplingParams
 from engine.detokenizer import IncrementalDetokenizer
+from engine.outputs import PositionLogprobs
 
 from .errors import APIError, bad_request
 from .generation import Generation, abort_all, merge, start_all
@@ -83,9 +84,9 @@ class TGIHandler:
         response = await unless_disconnected(request, self._whole(body, generations))
         return JSONResponse(response) if response is not None else Response(status_code=499)
 
-    def _token(self, token_id: int, text: str, position: dict[int, float] | None) -> dict:
+    def _token(self, token_id: int, text: str, position: PositionLogprobs | None) -> dict:
         special = token_id in self._special
-        logprob = position.get(token_id) if position else None
+        logprob = position[token_id].logprob if position and token_id in position else None
         return {"id": token_id, "text": text, "logprob": logprob, "special": special}
 
     def _tokens(self, completion, start: int, texts: list[str] | None = None) -> list[dict]:

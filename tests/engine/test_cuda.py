@@ -43,8 +43,8 @@ def test_cuda_float32_with_graphs_matches_the_cpu(tiny_llama, loras):
     gpu = _mixed(LLM(str(tiny_llama), device="cuda", **kwargs), loras)
     assert _tokens(gpu) == _tokens(cpu)
     for ours, ref in zip(gpu, cpu):
-        lp = [e[t] for e, t in zip(ours.outputs[0].logprobs, ours.outputs[0].token_ids)]
-        ref_lp = [e[t] for e, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
+        lp = [e[t].logprob for e, t in zip(ours.outputs[0].logprobs, ours.outputs[0].token_ids)]
+        ref_lp = [e[t].logprob for e, t in zip(ref.outputs[0].logprobs, ref.outputs[0].token_ids)]
         assert lp == pytest.approx(ref_lp, abs=1e-2)
 
 

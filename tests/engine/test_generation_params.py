@@ -77,7 +77,7 @@ def test_logprobs_agree_with_log_softmax_by_hand(llama_engine, hf_llama):
         top = by_hand[step].topk(3).indices.tolist()
         assert set(entry) == set(top) | {token}
         for token_id, lp in entry.items():
-            assert lp == pytest.approx(by_hand[step, token_id].item(), abs=1e-4)
+            assert lp.logprob == pytest.approx(by_hand[step, token_id].item(), abs=1e-4)
     assert completion.cumulative_logprob == pytest.approx(
         sum(by_hand[i, t].item() for i, t in enumerate(completion.token_ids)), abs=1e-3)
 
@@ -91,7 +91,7 @@ def test_prompt_logprobs_score_every_prompt_token(llama_engine, hf_llama):
     assert len(out.prompt_logprobs) == len(prompt)
     for pos in range(1, len(prompt)):
         entry = out.prompt_logprobs[pos]
-        assert entry[prompt[pos]] == pytest.approx(by_hand[pos - 1, prompt[pos]].item(), abs=1e-4)
+        assert entry[prompt[pos]].logprob == pytest.approx(by_hand[pos - 1, prompt[pos]].item(), abs=1e-4)
         assert len(entry) in (2, 3)
 
 

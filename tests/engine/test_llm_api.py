@@ -105,6 +105,44 @@ def test_chat_applies_the_chat_template(llm):
     assert chat.prompt_token_ids == tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+def test_chat_outputs_carry_the_rendered_prompt(llm):
+    messages = [{"role": "user", "content": "Hello"}]
+    rendered = llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    (chat,) = llm.chat(messages, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert chat.prompt == rendered
+
+
+def test_a_prompt_dict_with_text_and_token_ids_runs_the_ids_and_reports_the_text(llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    ids = llm.get_tokenizer()("Hello world")["input_ids"]
+    (both,) = llm.generate({"prompt": "shown", "prompt_token_ids": ids}, params, use_tqdm=False)
+    (by_ids,) = llm.generate(ids, params, use_tqdm=False)
+    assert both.prompt == "shown" and both.prompt_token_ids == ids
+    assert both.outputs[0].token_ids == by_ids.outputs[0].token_ids
+
+
 def test_max_cpu_loras_below_max_loras_is_refused(tiny_llama):
     with pytest.raises(ValueError, match="max_cpu_loras"):
         LLM(str(tiny_llama), device="cpu", enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+def test_logprobs_are_vllm_logprob_objects_with_rank_and_decoded_token(llm):
+    """vLLM's outputs hold `{token_id: Logprob(logprob, rank, decoded_token)}` per position, sampled or prompt."""
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    (output,) = llm.generate("Hello world, how", params, use_tqdm=False)
+    tokenizer = llm.get_tokenizer()
+    completion = output.outputs[0]
+    for token_id, position in zip(completion.token_ids, completion.logprobs):
+        assert token_id in position and len(position) in (2, 3)
+        ranked = sorted(position.items(), key=lambda item: -item[1].logprob)
+        assert [logprob.rank for _, logprob in ranked[:2]] == [1, 2]
+        if len(position) == 3:  # the sampled token, outside the top two
+            assert ranked[2][0] == token_id and ranked[2][1].rank > 2
+        for other, logprob in position.items():
+            assert logprob.decoded_token == tokenizer.decode([other])
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(position[t].logprob for t, position in zip(completion.token_ids, completion.logprobs)), abs=1e-5)
+    assert output.prompt_logprobs[0] is None
+    for token_id, position in zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:]):
+        assert position[token_id].decoded_token == tokenizer.decode([token_id])
+        assert position[token_id].rank >= 1

@@ -71,7 +71,7 @@ def _check_against_reference(outputs, loras, reference):
         tokens, logprobs = reference[(output.prompt, lora.lora_name if lora else None)]
         completion = output.outputs[0]
         assert completion.token_ids == tokens, (output.prompt, lora)
-        ours = [entry[t] for entry, t in zip(completion.logprobs, completion.token_ids)]
+        ours = [entry[t].logprob for entry, t in zip(completion.logprobs, completion.token_ids)]
         assert ours == pytest.approx(logprobs, abs=1e-3)
 
 

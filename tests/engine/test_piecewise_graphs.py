@@ -123,10 +123,10 @@ def test_requests_arriving_mid_run_get_the_tokens_of_eager_mixed_steps(tiny_llam
     assert [o.outputs[0].token_ids for o in pieces] == [o.outputs[0].token_ids for o in eager]
     for ours, ref in zip(pieces, eager):
         sampled, ref_sampled = ours.outputs[0], ref.outputs[0]
-        assert [e[t] for e, t in zip(sampled.logprobs, sampled.token_ids)] == \
-            pytest.approx([e[t] for e, t in zip(ref_sampled.logprobs, ref_sampled.token_ids)], abs=1e-4)
-        prompt = [next(iter(e.values())) for e in ours.prompt_logprobs[1:]]  # the prompt token's own logprob
-        ref_prompt = [next(iter(e.values())) for e in ref.prompt_logprobs[1:]]
+        assert [e[t].logprob for e, t in zip(sampled.logprobs, sampled.token_ids)] == \
+            pytest.approx([e[t].logprob for e, t in zip(ref_sampled.logprobs, ref_sampled.token_ids)], abs=1e-4)
+        prompt = [next(iter(e.values())).logprob for e in ours.prompt_logprobs[1:]]  # the prompt token's own
+        ref_prompt = [next(iter(e.values())).logprob for e in ref.prompt_logprobs[1:]]
         assert prompt == pytest.approx(ref_prompt, abs=1e-4)
 
 

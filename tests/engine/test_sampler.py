@@ -313,14 +313,15 @@ def test_top_logprobs_are_the_k_most_likely_raw_tokens_plus_the_chosen_one():
     top3 = expected.topk(3).indices.tolist()
     assert list(token.top_logprobs) == top3 + [least_likely]
     for token_id, lp in token.top_logprobs.items():
-        assert lp == pytest.approx(expected[token_id].item(), abs=1e-6)
+        assert lp.logprob == pytest.approx(expected[token_id].item(), abs=1e-6)
 
 
 def test_top_logprobs_hold_k_entries_when_the_chosen_token_is_among_them():
     logits = random_logits(2, seed=7)
     tokens = sample(logits, [row(temperature=0.0, logprobs=4), row(temperature=0.0, logprobs=1)])
     assert len(tokens[0].top_logprobs) == 4 and len(tokens[1].top_logprobs) == 1
-    assert tokens[1].top_logprobs == {tokens[1].token_id: pytest.approx(tokens[1].logprob)}
+    assert list(tokens[1].top_logprobs) == [tokens[1].token_id]
+    assert tokens[1].top_logprobs[tokens[1].token_id].logprob == pytest.approx(tokens[1].logprob)
 
 
 def test_zero_logprobs_reports_only_the_chosen_token():
@@ -342,4 +343,13 @@ def test_gather_logprobs_reports_prompt_tokens_with_their_top_alternatives():
     entries = gather_logprobs(logprobs, targets, 2)
     for entry, lp_row, target in zip(entries, logprobs, targets):
         assert set(entry) == set(lp_row.topk(2).indices.tolist()) | {target}
-        assert entry[target] == pytest.approx(lp_row[target].item())
+        assert entry[target].logprob == pytest.approx(lp_row[target].item())
+
+
+def test_logprob_ranks_count_the_more_likely_tokens():
+    logprobs = compute_logprobs(random_logits(3, seed=10))
+    targets = [int(logprobs[0].argmin()), int(logprobs[1].argmax()), 4]
+    for entry, lp_row, target in zip(gather_logprobs(logprobs, targets, 3), logprobs, targets):
+        top = lp_row.topk(3).indices.tolist()
+        assert [entry[t].rank for t in top] == [1, 2, 3]
+        assert entry[target].rank == 1 + int((lp_row > lp_row[target]).sum())

@@ -44,7 +44,7 @@ def _tokens_and_logprobs(outputs):
     results = []
     for output in outputs:
         completion = output.outputs[0]
-        logprobs = [entry[token] for entry, token in zip(completion.logprobs, completion.token_ids)]
+        logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, completion.token_ids)]
         results.append((completion.token_ids, logprobs))
     return results
 
@@ -94,7 +94,8 @@ def test_prompt_logprobs_match_single_process(llama_tp2, tiny_llama, llama_adapt
     for ours, ref in zip(sharded, single):
         for entry, ref_entry in zip(ours.prompt_logprobs[1:], ref.prompt_logprobs[1:]):
             assert entry.keys() == ref_entry.keys()
-            assert list(entry.values()) == pytest.approx(list(ref_entry.values()), abs=1e-4)
+            assert [lp.logprob for lp in entry.values()] == pytest.approx([lp.logprob for lp in ref_entry.values()],
+                                                                          abs=1e-4)
 
 
 def test_mixed_adapter_batch_matches_single_process_qwen2_bias(tiny_qwen2, tmp_path_factory):
@@ -177,8 +178,8 @@ def test_bf16_on_two_gpus_matches_one_gpu(tiny_llama, llama_adapters):
     ours = sharded_llm.generate(full, score, lora_request=loras, use_tqdm=False)
     ref = single_llm.generate(full, score, lora_request=loras, use_tqdm=False)
     for a, b, tokens in zip(ours, ref, full):
-        got = [entry[t] for entry, t in zip(a.prompt_logprobs[1:], tokens[1:])]
-        want = [entry[t] for entry, t in zip(b.prompt_logprobs[1:], tokens[1:])]
+        got = [entry[t].logprob for entry, t in zip(a.prompt_logprobs[1:], tokens[1:])]
+        want = [entry[t].logprob for entry, t in zip(b.prompt_logprobs[1:], tokens[1:])]
         assert got == pytest.approx(want, rel=5e-2, abs=5e-2)  # bf16: about 2^-8 per rounding
     sharded_llm.engine.close()
 
