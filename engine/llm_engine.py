@@ -37,7 +37,7 @@ from .sampler import (
     is_plain_greedy,
     make_generator,
 )
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, bad_words_token_ids
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 from .step_input import DeviceTokens
@@ -264,6 +264,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already running")
         text = prompt if isinstance(prompt, str) else prompt_text
         token_ids = self.tokenize(prompt) if isinstance(prompt, str) else _token_ids(prompt)
+        if params.truncate_prompt_tokens is not None:
+            keep = self.max_model_len if params.truncate_prompt_tokens == -1 else params.truncate_prompt_tokens
+            token_ids = token_ids[-keep:]
         context_room = self.max_model_len - len(token_ids)
         if params.max_tokens is None:  # as many as the context window, and the KV cache, hold
             cache_room = self.allocator.num_blocks * self.block_size - len(token_ids)
@@ -271,13 +274,14 @@ class LLMEngine:
         elif stop_at_context_end and 0 < context_room < params.max_tokens:
             params = _with_max_tokens(params, context_room)
         self._check_prompt(token_ids, params)
-        self.sampler.validate(params)
+        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+        self.sampler.validate(params, bad_words)
         if lora_request is not None:
             if self.lora_manager is None:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} was requested but LoRA is not "
                                  f"enabled; start the engine with enable_lora=True")
             self.lora_manager.ensure_loaded([lora_request])
-        request = Request(request_id, text, token_ids, params, lora_request)
+        request = Request(request_id, text, token_ids, params, lora_request, bad_words_token_ids=bad_words)
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]
         for index in range(params.n):
@@ -502,7 +506,9 @@ class LLMEngine:
         return self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
-        return SamplingRow(seq.request.params, seq.request.prompt_token_ids, seq.output_token_ids, seq.generator)
+        request = seq.request
+        return SamplingRow(request.params, request.prompt_token_ids, seq.output_token_ids, seq.generator,
+                           request.bad_words_token_ids)
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], result) -> None:
         for i, item in enumerate(scheduled):

@@ -7,7 +7,7 @@ tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,7 @@ class SamplingRow:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # generated before this step
     generator: torch.Generator | None = None  # set for seeded requests (see make_generator)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -125,13 +126,15 @@ class Sampler:
         self.vocab_size = vocab_size
         self._host_buffers = _HostBuffers()
 
-    def validate(self, params: SamplingParams) -> None:
+    def validate(self, params: SamplingParams, bad_words_token_ids: list[list[int]] = ()) -> None:
         """Checks what needs the vocabulary; call when a request arrives, so it fails before it runs."""
-        if params.logit_bias:
-            bad = sorted(t for t in params.logit_bias if t >= self.vocab_size)
+        for name, token_ids in (("logit_bias", params.logit_bias or ()),
+                                ("allowed_token_ids", params.allowed_token_ids or ()),
+                                ("bad_words", [t for word in bad_words_token_ids for t in word])):
+            bad = sorted(set(t for t in token_ids if t >= self.vocab_size))
             if bad:
                 raise ValueError(
-                    f"logit_bias contains out-of-vocabulary token ids {bad}; the vocabulary size is {self.vocab_size}."
+                    f"{name} contains out-of-vocabulary token ids {bad}; the vocabulary size is {self.vocab_size}."
                 )
 
     @torch.no_grad()
@@ -162,16 +165,23 @@ class Sampler:
     # -- logits processing ---------------------------------------------------------------
 
     def process_logits(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Float32 logits after logit_bias, min_tokens and penalties (before temperature and truncation).
+        """Float32 logits after allowed_token_ids, bad_words, logit_bias, min_tokens and penalties (before
+        temperature and truncation), in vLLM's order.
 
         Works on a copy; returns raw itself when nothing applies.
         """
+        allowed_rows = [i for i, r in enumerate(rows) if r.params.allowed_token_ids]
+        bad_word_rows = [i for i, r in enumerate(rows) if r.bad_words_token_ids]
         bias_rows = [i for i, r in enumerate(rows) if r.params.logit_bias]
         min_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
         penalty_rows = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
-        if not (bias_rows or min_rows or penalty_rows):
+        if not (allowed_rows or bad_word_rows or bias_rows or min_rows or penalty_rows):
             return raw
         logits = raw.clone()
+        if allowed_rows:
+            self._apply_allowed_tokens(logits, [rows[i] for i in allowed_rows], allowed_rows)
+        if bad_word_rows:
+            _ban(logits, [(i, token_id) for i in bad_word_rows for token_id in _bad_word_ends(rows[i])])
         if bias_rows:
             self._apply_logit_bias(logits, [rows[i] for i in bias_rows], bias_rows)
         if min_rows:
@@ -199,20 +209,21 @@ class Sampler:
         logits[indices] = torch.where(forced.any(dim=-1, keepdim=True),
                                       torch.where(forced, 0.0, float("-inf")), biased)
 
+    def _apply_allowed_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
+        allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+        for j, row in enumerate(rows):
+            allowed[j, row.params.allowed_token_ids] = True
+        logits[indices] = logits[indices].masked_fill(~allowed, float("-inf"))
+
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
         """Until min_tokens are out, the tokens that would end the sequence cannot be drawn."""
-        row_idx, col_idx = [], []
+        banned = []
         for i, row in zip(indices, rows):
-            banned = set(row.params.stop_token_ids)
+            ending = set(row.params.stop_token_ids)
             if not row.params.ignore_eos:
-                banned |= self.eos_token_ids
-            for token_id in banned:
-                if token_id < self.vocab_size:
-                    row_idx.append(i)
-                    col_idx.append(token_id)
-        if row_idx:
-            device = logits.device
-            logits[torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)] = float("-inf")
+                ending |= self.eos_token_ids
+            banned.extend((i, token_id) for token_id in ending if token_id < self.vocab_size)
+        _ban(logits, banned)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
         device, vocab = logits.device, logits.shape[-1]
@@ -277,9 +288,31 @@ class Sampler:
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token is the raw argmax and only its raw logprob is reported: greedy, and no
-    logit_bias, min_tokens masking, penalty or top logprobs apply (then Sampler.greedy serves it)."""
+    allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalty or top logprobs apply (then
+    Sampler.greedy serves it)."""
     return (params.is_greedy and not params.logit_bias and params.logprobs is None
+            and not params.allowed_token_ids and not params.bad_words
             and num_output_tokens >= params.min_tokens and not _has_penalty(params))
+
+
+def _bad_word_ends(row: SamplingRow) -> list[int]:
+    """The tokens that would complete one of the row's bad words after its output so far (vLLM's rule: a
+    word's last token is banned once the output ends in the rest of the word)."""
+    output = row.output_token_ids
+    ends = []
+    for word in row.bad_words_token_ids:
+        prefix = word[:-1]
+        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
+            ends.append(word[-1])
+    return ends
+
+
+def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
+    """Sets logits[row, token] to -inf for each (row, token)."""
+    if cells:
+        rows, tokens = zip(*cells)
+        device = logits.device
+        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
 
 
 def _has_penalty(params: SamplingParams) -> bool:

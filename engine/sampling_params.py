@@ -40,6 +40,9 @@ class SamplingParams:
     # Accepted for vLLM compatibility; like vLLM with fast tokenizers, transformers' decode ignores it.
     spaces_between_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # only these may be drawn
+    bad_words: list[str] | None = None  # never generated, alone or as the end of a word begun before
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the context window's)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, minimum=1)
@@ -77,8 +80,17 @@ class SamplingParams:
         if self.prompt_logprobs is not None:
             _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
         self.stop = _normalize_stop(self.stop)
-        self.stop_token_ids = _normalize_token_ids(self.stop_token_ids)
+        self.stop_token_ids = _normalize_token_ids(self.stop_token_ids, "stop_token_ids")
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _normalize_token_ids(self.allowed_token_ids, "allowed_token_ids")
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids cannot be empty.")
+        self.bad_words = _normalize_words(self.bad_words)
+        if self.truncate_prompt_tokens is not None:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens)
+            if self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
+                raise ValueError(f"truncate_prompt_tokens must be -1 or at least 1, got {self.truncate_prompt_tokens}.")
         if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change the argmax, so turn them off.
             self.top_p = 1.0
@@ -96,6 +108,19 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.sampling_type == SamplingType.GREEDY
+
+
+def bad_words_token_ids(words: list[str], tokenizer) -> list[list[int]]:
+    """Each bad word's tokens as vLLM bans them: as written, and with a leading space when that spells the word
+    with different tokens of the same count (a word in mid-text, for tokenizers that mark spaces)."""
+    banned = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        banned.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            banned.append(spaced)
+    return banned
 
 
 def _check_int(name: str, value: object, minimum: int | None = None) -> None:
@@ -124,14 +149,28 @@ def _normalize_stop(stop: str | list[str] | None) -> list[str]:
     return stop
 
 
-def _normalize_token_ids(token_ids: list[int] | None) -> list[int]:
+def _normalize_token_ids(token_ids: list[int] | None, name: str) -> list[int]:
     if token_ids is None:
         return []
+    if isinstance(token_ids, (str, bytes, dict)):
+        raise ValueError(f"{name} must be a list of token ids, got {token_ids!r}.")
     token_ids = list(token_ids)
     for token_id in token_ids:
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {token_id!r}.")
+            raise ValueError(f"{name} must be non-negative integers, got {token_id!r}.")
     return token_ids
+
+
+def _normalize_words(words: list[str] | None) -> list[str]:
+    if words is None:
+        return []
+    if isinstance(words, str):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}.")
+    words = list(words)
+    for word in words:
+        if not isinstance(word, str) or not word.strip():
+            raise ValueError(f"bad_words must be non-blank strings, got {word!r}.")
+    return words
 
 
 def _normalize_logit_bias(logit_bias: dict | None) -> dict[int, float] | None:

@@ -30,6 +30,7 @@ class Request:
     lora_request: LoRARequest | None
     sequences: list["Sequence"] = field(default_factory=list)
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     @property
     def finished(self) -> bool:

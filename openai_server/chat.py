@@ -36,15 +36,8 @@ class ChatHandler:
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
         )
-        max_tokens = body.requested_max_tokens()
-        if max_tokens is None:
-            max_tokens = state.engine.max_model_len - len(prompt_ids)
-            if max_tokens < 1:
-                raise bad_request(
-                    f"This model's maximum context length is {state.engine.max_model_len} tokens, "
-                    f"but the messages use {len(prompt_ids)} tokens.", "messages",
-                )
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=top_logprobs)
+        # no max_tokens: the engine allows what the context window (after truncate_prompt_tokens) and cache hold
+        params = sampling_params(body, max_tokens=body.requested_max_tokens(), logprobs=top_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generations = await start_all(
             state.engine, [prompt_ids], params, lora, [request_id],

@@ -48,6 +48,9 @@ class SamplingFields(_Body):
     min_tokens: NonNegInt = 0
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    allowed_token_ids: list[NonNegInt] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self):
@@ -168,6 +171,7 @@ class TGIParameters(_Body):
     return_full_text: bool = False
     details: bool = False
     decoder_input_details: bool = False
+    truncate: int | None = Field(None, ge=1)
 
 
 class TGIGenerateRequest(_Body):

@@ -31,6 +31,9 @@ def sampling_params(
             skip_special_tokens=body.skip_special_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             logit_bias=body.logit_bias,
+            allowed_token_ids=body.allowed_token_ids,
+            bad_words=body.bad_words,
+            truncate_prompt_tokens=body.truncate_prompt_tokens,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None

@@ -52,6 +52,8 @@ def _params(body: TGIGenerateRequest) -> SamplingParams:
             include_stop_str_in_output=True,
             max_tokens=p.max_new_tokens,
             logprobs=0,
+            prompt_logprobs=0 if p.decoder_input_details else None,
+            truncate_prompt_tokens=p.truncate,
         )
     except ValueError as exc:
         raise bad_request(str(exc)) from None
@@ -74,6 +76,8 @@ class TGIHandler:
         body = await parse_body(request, TGIGenerateRequest)
         lora = state.adapters.resolve(body.parameters.adapter_id)
         stream = body.stream if self.stream is None else self.stream
+        if stream and body.parameters.decoder_input_details:
+            raise bad_request("decoder_input_details == True is not supported when streaming tokens")
         state.metrics.requests.labels("generate_stream" if stream else "generate", lora.lora_name if lora else "base").inc()
         generations = await start_all(
             state.engine, [body.inputs], _params(body), lora, [f"generate-{uuid.uuid4().hex}"],
@@ -107,6 +111,14 @@ class TGIHandler:
             shown = len(detokenizer.output_text)
         return texts
 
+    def _prefill(self, output) -> list[dict]:
+        """TGI's prefill tokens: each prompt token with its logprob given the ones before (none for the first)."""
+        return [
+            {"id": token_id, "text": self.state.logprobs.text(token_id),
+             "logprob": position[token_id].logprob if position else None}
+            for token_id, position in zip(output.prompt_token_ids, output.prompt_logprobs)
+        ]
+
     def _details(self, body: TGIGenerateRequest, output, with_tokens: bool) -> dict:
         completion = output.outputs[0]
         details = {
@@ -115,7 +127,7 @@ class TGIHandler:
             "seed": body.parameters.seed,
         }
         if with_tokens:
-            details["prefill"] = []
+            details["prefill"] = self._prefill(output) if body.parameters.decoder_input_details else []
             details["tokens"] = self._tokens(completion, 0, self._token_texts(output.prompt_token_ids,
                                                                                completion.token_ids))
         return details

@@ -108,3 +108,38 @@ def test_eos_ends_the_sequence_unless_ignored(llama_engine):
         llama_engine.sampler.eos_token_ids.discard(eos)
     assert stopped.token_ids == tokens[:tokens.index(eos) + 1] and stopped.finish_reason == "stop"
     assert ignored.token_ids == tokens and ignored.finish_reason == "length"
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llama_engine):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = llama_engine.tokenize(PROMPT)
+    truncated = _generate(llama_engine, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True,
+                                                       truncate_prompt_tokens=3))
+    assert truncated.prompt_token_ids == prompt[-3:]
+    assert truncated.outputs[0].token_ids == _generate(llama_engine, params, prompt[-3:]).outputs[0].token_ids
+
+
+def test_allowed_token_ids_bound_the_output(llama_engine):
+    allowed = _greedy_tokens(llama_engine, 6)[3:] + [7, 8]
+    out = _generate(llama_engine, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                                                 allowed_token_ids=allowed)).outputs[0]
+    assert set(out.token_ids) <= set(allowed)
+
+
+def test_bad_words_never_appear_in_the_output(llama_engine):
+    from engine.sampling_params import bad_words_token_ids
+
+    tokenizer = llama_engine.tokenizer
+    free = _generate(llama_engine, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)).outputs[0]
+    # a word the free output spells with the tokens that the word's own encoding gives
+    words = [tokenizer.decode(free.token_ids[i:i + 2]).strip() for i in range(len(free.token_ids) - 1)]
+    word = next(w for w in words if w and any(_contains(free.token_ids, ids)
+                                              for ids in bad_words_token_ids([w], tokenizer)))
+    out = _generate(llama_engine, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True,
+                                                 bad_words=[word])).outputs[0]
+    assert out.token_ids != free.token_ids
+    assert not any(_contains(out.token_ids, ids) for ids in bad_words_token_ids([word], tokenizer))
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    return any(tokens[i:i + len(part)] == part for i in range(len(tokens) - len(part) + 1))

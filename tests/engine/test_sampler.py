@@ -17,9 +17,9 @@ DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
                                               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])]
 
 
-def row(params=None, prompt=(), output=(), generator=None, **kwargs):
+def row(params=None, prompt=(), output=(), generator=None, bad_words=(), **kwargs):
     params = params or SamplingParams(**kwargs)
-    return SamplingRow(params, list(prompt), list(output), generator)
+    return SamplingRow(params, list(prompt), list(output), generator, [list(word) for word in bad_words])
 
 
 def sample(logits, rows, vocab=None):
@@ -353,3 +353,51 @@ def test_logprob_ranks_count_the_more_likely_tokens():
         top = lp_row.topk(3).indices.tolist()
         assert [entry[t].rank for t in top] == [1, 2, 3]
         assert entry[target].rank == 1 + int((lp_row > lp_row[target]).sum())
+
+
+# -- allowed tokens and bad words ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_only_allowed_tokens_are_drawn(temperature):
+    logits = random_logits(64, seed=11)
+    allowed = [3, 17, 40]
+    tokens = sample(logits, [row(temperature=temperature, seed=i, allowed_token_ids=allowed) for i in range(64)])
+    assert {t.token_id for t in tokens} <= set(allowed)
+    if temperature == 0.0:
+        assert [t.token_id for t in tokens] == [allowed[int(logits[i, allowed].argmax())] for i in range(64)]
+
+
+def test_allowed_tokens_leave_the_reported_logprob_raw():
+    logits = random_logits(1, seed=12)
+    [token] = sample(logits, [row(temperature=0.0, allowed_token_ids=[5])])
+    assert token.token_id == 5
+    assert token.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[5].item(), abs=1e-5)
+
+
+def test_a_one_token_bad_word_is_never_drawn():
+    logits = random_logits(1, seed=13)
+    best = int(logits[0].argmax())
+    [token] = sample(logits, [row(temperature=0.0, bad_words=[[best]])])
+    assert token.token_id == int(logits[0].topk(2).indices[1])
+
+
+def test_a_bad_words_last_token_is_banned_only_after_the_rest_of_the_word():
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 9] = 5.0
+    word = [7, 8, 9]
+    after_prefix, elsewhere = sample(logits, [row(temperature=0.0, output=[1, 7, 8], bad_words=[word]),
+                                              row(temperature=0.0, output=[7, 1, 8], bad_words=[word])])
+    assert after_prefix.token_id != 9
+    assert elsewhere.token_id == 9
+
+
+def test_allowed_tokens_and_bad_words_leave_the_fast_greedy_path():
+    assert is_plain_greedy(SamplingParams(temperature=0), 0)
+    assert not is_plain_greedy(SamplingParams(temperature=0, allowed_token_ids=[1]), 0)
+    assert not is_plain_greedy(SamplingParams(temperature=0, bad_words=["x"]), 0)
+
+
+def test_out_of_vocabulary_allowed_tokens_are_refused():
+    with pytest.raises(ValueError, match=r"allowed_token_ids contains out-of-vocabulary token ids \[50\]"):
+        Sampler({EOS}, VOCAB).validate(SamplingParams(allowed_token_ids=[3, 50]))

@@ -95,3 +95,20 @@ def test_sampling_type_random_and_seeded():
     assert SamplingParams(temperature=0.7).sampling_type == SamplingType.RANDOM
     assert SamplingParams(temperature=0.7, seed=3).sampling_type == SamplingType.RANDOM_SEED
 
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("allowed_token_ids", [], "allowed_token_ids cannot be empty"),
+        ("allowed_token_ids", [3, -1], "allowed_token_ids must be non-negative integers"),
+        ("allowed_token_ids", "3", "allowed_token_ids must be a list"),
+        ("bad_words", "word", "bad_words must be a list of strings"),
+        ("bad_words", ["ok", " "], "bad_words must be non-blank strings"),
+        ("truncate_prompt_tokens", 0, "truncate_prompt_tokens must be -1 or at least 1"),
+        ("truncate_prompt_tokens", 2.5, "truncate_prompt_tokens must be an integer"),
+    ],
+)
+def test_vllm_extras_are_validated(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**{field: value})

@@ -5,6 +5,7 @@ import asyncio
 
 import openai
 import pytest
+import transformers
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "Hello world! How are you today?"}]
@@ -184,6 +185,53 @@ def test_context_window_error_names_the_limit(client):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="alpha", prompt="x" * 200, max_tokens=400)
     assert "512" in caught.value.body["message"]
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens_of_the_prompt(client, http):
+    prompt_ids = http.post("/v1/completions", json={"model": "alpha", "prompt": PROMPT, "max_tokens": 1,
+                                                    "echo": True, "logprobs": 0}).json()
+    tokens = prompt_ids["usage"]["prompt_tokens"]
+    truncated = client.completions.create(model="alpha", prompt=PROMPT, **_with_extra(truncate_prompt_tokens=2))
+    assert truncated.usage.prompt_tokens == 2 < tokens
+
+
+def test_truncate_prompt_tokens_fits_a_long_prompt_into_the_context_window(client):
+    response = client.completions.create(model="alpha", prompt="x" * 600, **_with_extra(truncate_prompt_tokens=100))
+    assert response.usage.prompt_tokens == 100
+
+
+def test_allowed_token_ids_bound_the_completion(client):
+    whole = client.completions.create(model="alpha", prompt=PROMPT, logprobs=0, **GREEDY)
+    allowed = client.completions.create(model="alpha", prompt=PROMPT, logprobs=0,
+                                        **_with_extra(allowed_token_ids=[40, 41]))
+    assert set(allowed.choices[0].logprobs.tokens) <= {_token_text(client, 40), _token_text(client, 41)}
+    assert allowed.choices[0].text != whole.choices[0].text
+
+
+def test_bad_words_are_left_out_of_the_completion(client, model_dir):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    # two tokens that are whole words, each encoded as itself: with only these allowed, banning one leaves the other
+    words = [(i, tokenizer.decode([i])) for i in range(tokenizer.vocab_size)]
+    (banned, word), (kept, _) = [(i, w) for i, w in words
+                                 if w.isalpha() and len(w) > 2 and tokenizer.encode(w, add_special_tokens=False) == [i]][:2]
+    response = client.completions.create(model="alpha", prompt=PROMPT,
+                                         **_with_extra(allowed_token_ids=[banned, kept], bad_words=[word]))
+    assert response.choices[0].text == _token_text(client, kept) * GREEDY["max_tokens"]
+
+
+def test_chat_without_max_tokens_past_the_context_window_is_bad_request(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "x" * 600}])
+    assert "512" in caught.value.body["message"]
+
+
+def _with_extra(**extra) -> dict:
+    return {**GREEDY, "extra_body": {**GREEDY["extra_body"], **extra}}
+
+
+def _token_text(client, token_id: int) -> str:
+    return client.completions.create(model="alpha", prompt=[token_id], max_tokens=1, echo=True, logprobs=0,
+                                     temperature=0.0).choices[0].logprobs.tokens[0]
 
 
 def test_chat_top_logprobs_without_logprobs_is_bad_request(client):

@@ -90,6 +90,31 @@ def test_generate_with_temperature_one_and_no_do_sample_is_greedy(http):
         assert http.post("/generate", json={"inputs": INPUTS, "parameters": parameters}).json() == greedy
 
 
+def test_generate_decoder_input_details_score_each_input_token(http):
+    body = {"inputs": INPUTS, "parameters": {"max_new_tokens": 1, "decoder_input_details": True, "details": True}}
+    prefill = http.post("/generate", json=body).json()["details"]["prefill"]
+    echo = http.post("/v1/completions", json={"prompt": INPUTS, "max_tokens": 1, "echo": True, "logprobs": 0}).json()
+    logprobs = echo["choices"][0]["logprobs"]
+    assert len(prefill) == echo["usage"]["prompt_tokens"]
+    assert [token["text"] for token in prefill] == logprobs["tokens"][:len(prefill)]
+    assert prefill[0]["logprob"] is None
+    assert [t["logprob"] for t in prefill[1:]] == pytest.approx(logprobs["token_logprobs"][1:len(prefill)], abs=1e-5)
+
+
+def test_generate_stream_with_decoder_input_details_is_400_in_tgi_shape(http):
+    body = {"inputs": INPUTS, "parameters": {"decoder_input_details": True, "details": True}}
+    response = http.post("/generate_stream", json=body)
+    assert response.status_code == 400
+    assert response.json()["error_type"] == "validation"
+
+
+def test_generate_truncate_keeps_the_last_input_tokens(http):
+    body = {"inputs": INPUTS, "parameters": {"max_new_tokens": 4, "truncate": 2, "decoder_input_details": True,
+                                               "details": True}}
+    details = http.post("/generate", json=body).json()["details"]
+    assert len(details["prefill"]) == 2
+
+
 def test_generate_unknown_adapter_is_404_in_tgi_shape(http):
     response = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "nope"}})
     assert response.status_code == 404
