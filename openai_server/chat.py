@@ -25,7 +25,7 @@ class ChatHandler:
         state = self.state
         body = await parse_body(request, ChatCompletionRequest)
         lora = state.adapters.resolve(body.model)
-        state.metrics.requests.labels("chat", lora.lora_name if lora else "base").inc()
+        state.metrics.requests.labels("chat", state.metrics.label(lora)).inc()
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         check_logprobs(top_logprobs, state.settings.max_logprobs, "top_logprobs")
         prompt_ids = render_chat(
@@ -41,7 +41,7 @@ class ChatHandler:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         generations = await start_all(
             state.engine, [prompt_ids], params, lora, [request_id],
-            [state.metrics.tracker(lora.lora_name if lora else None)],
+            [state.metrics.tracker(lora)],
         )
         model = body.model or state.adapters.base_name
         created = int(time.time())

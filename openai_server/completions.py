@@ -33,7 +33,7 @@ class CompletionHandler:
         state = self.state
         body = await parse_body(request, CompletionRequest)
         lora = state.adapters.resolve(body.model)
-        state.metrics.requests.labels("completions", lora.lora_name if lora else "base").inc()
+        state.metrics.requests.labels("completions", state.metrics.label(lora)).inc()
         check_logprobs(body.logprobs, state.settings.max_logprobs, "logprobs")
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
@@ -42,7 +42,7 @@ class CompletionHandler:
         generations = await start_all(
             state.engine, prompts, params, lora,
             [f"{request_id}-{i}" for i in range(len(prompts))],
-            [state.metrics.tracker(lora.lora_name if lora else None) for _ in prompts],
+            [state.metrics.tracker(lora) for _ in prompts],
         )
         model = body.model or state.adapters.base_name
         created = int(time.time())

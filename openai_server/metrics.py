@@ -7,7 +7,6 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-BASE_LABEL = "base"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
@@ -54,7 +53,10 @@ class _EngineCollector:
 class ServerMetrics:
     """All of one app's metrics, in the app's own registry (so several apps can live in one process)."""
 
-    def __init__(self, engine, adapter_names: Callable[[], dict[int, str]]) -> None:
+    def __init__(self, engine, adapter_names: Callable[[], dict[int, str]], base_label: str) -> None:
+        """base_label: the `adapter` label of base-model requests, the served model's name (no adapter may take it,
+        so it never mixes with one)."""
+        self.base_label = base_label
         self.registry = CollectorRegistry()
         self.requests = Counter(
             "loraserve_requests", "Requests received, by endpoint and adapter.", ["endpoint", "adapter"],
@@ -87,8 +89,12 @@ class ServerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-    def tracker(self, adapter: str | None) -> RequestTracker:
-        return RequestTracker(self, adapter or BASE_LABEL)
+    def label(self, lora_request) -> str:
+        """The `adapter` label of a request for this adapter (None: the base model)."""
+        return lora_request.lora_name if lora_request is not None else self.base_label
+
+    def tracker(self, lora_request) -> RequestTracker:
+        return RequestTracker(self, self.label(lora_request))
 
 
 class RequestTracker:

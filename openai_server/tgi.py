@@ -78,10 +78,10 @@ class TGIHandler:
         stream = body.stream if self.stream is None else self.stream
         if stream and body.parameters.decoder_input_details:
             raise bad_request("decoder_input_details == True is not supported when streaming tokens")
-        state.metrics.requests.labels("generate_stream" if stream else "generate", lora.lora_name if lora else "base").inc()
+        state.metrics.requests.labels("generate_stream" if stream else "generate", state.metrics.label(lora)).inc()
         generations = await start_all(
             state.engine, [body.inputs], _params(body), lora, [f"generate-{uuid.uuid4().hex}"],
-            [state.metrics.tracker(lora.lora_name if lora else None)],
+            [state.metrics.tracker(lora)],
         )
         if stream:
             return sse_response(self._events(body, generations), lambda: abort_all(generations))

@@ -8,6 +8,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine import LoRARequest
 from openai_server.metrics import ServerMetrics
 
 from .conftest import API_KEY, SERVED_NAMES
@@ -93,6 +94,16 @@ def test_metrics_count_requests_and_tokens_per_adapter(http, server):
     assert delta("loraserve_time_per_output_token_seconds_count", adapter="gamma") == 1
 
 
+def test_base_model_requests_are_labelled_with_the_served_name(http, server):
+    """Not `base`, which an adapter may be called too."""
+    before = _samples(http)
+    http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    server.wait_idle()
+    served_name = http.get("/v1/models").json()["data"][0]["id"]
+    key = ("loraserve_requests_finished_total", (("adapter", served_name), ("finish_reason", "length")))
+    assert _samples(http).get(key, 0.0) - before.get(key, 0.0) == 1
+
+
 def test_metrics_expose_engine_gauges(http):
     samples = {name for name, _ in _samples(http)}
     assert {
@@ -106,8 +117,8 @@ def test_metrics_expose_engine_gauges(http):
 def test_time_per_output_token_of_n_choices_divides_by_the_longest_choice():
     """The n choices of a request decode side by side: 8 s after the first tokens, 4 choices of 5 tokens each
     took 2 s a token, not 8 / 19."""
-    metrics = ServerMetrics(engine=None, adapter_names=dict)
-    tracker = metrics.tracker("a")
+    metrics = ServerMetrics(engine=None, adapter_names=dict, base_label="tiny")
+    tracker = metrics.tracker(LoRARequest("a", 1, "/a"))
     tracker.first_token = time.perf_counter() - 8.0
     tracker.finish("length", prompt_tokens=3, generated_tokens=4 * 5, longest_choice=5)
     (family,) = metrics.tpot.collect()
