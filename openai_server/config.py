@@ -184,11 +184,13 @@ def _from_env_text(option: _Option, text: str, source: str) -> object:
         return lowered in _TRUE
     if option.kind == "list":
         stripped = text.strip()
-        if stripped.startswith("["):
+        if stripped.startswith(("[", "{")):  # a JSON list, or one JSON object (whose commas are its own)
+            kind = "list" if stripped.startswith("[") else "object"
             try:
                 items = json.loads(stripped)
             except json.JSONDecodeError as exc:
-                raise ConfigError(f"{source}: not a valid JSON list ({exc.msg})") from None
+                raise ConfigError(f"{source}: not a valid JSON {kind} ({exc.msg})") from None
+            items = items if isinstance(items, list) else [items]
             return [json.dumps(item) if isinstance(item, dict) else str(item) for item in items]
         return [item.strip() for item in stripped.split(",") if item.strip()]
     return _convert(option, text, source)

@@ -74,6 +74,17 @@ def test_vllm_lora_modules_flag_takes_pairs_and_json(tmp_path):
     assert config.lora_modules == [AdapterSpec("a", "/x/a"), AdapterSpec("b", "/x/b", base_model_name="m")]
 
 
+def test_one_json_adapter_in_the_environment_is_not_split_at_its_commas(tmp_path):
+    environ = {"LORASERVE_LORA_MODULES": '{"name": "b", "path": "/x/b", "base_model_name": "m"}'}
+    config = serve_config_from_args([], environ=environ, cwd=tmp_path)
+    assert config.lora_modules == [AdapterSpec("b", "/x/b", base_model_name="m")]
+
+
+def test_a_malformed_json_adapter_in_the_environment_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="LORASERVE_LORA_MODULES: not a valid JSON object"):
+        serve_config_from_args([], environ={"LORASERVE_LORA_MODULES": '{"name": "b", "path"}'}, cwd=tmp_path)
+
+
 @pytest.mark.parametrize("name", ["LORASERVE_API_KEY", "VLLM_API_KEY"])
 def test_api_key_from_environment(tmp_path, name):
     assert serve_config_from_args([], environ={name: "k"}, cwd=tmp_path).api_key == "k"
