@@ -497,7 +497,7 @@ def _reader_variant(text: str) -> tuple[int, float]:
 
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
     settings = dict(adapter_reader=args.adapter_reader, admission_order=args.admission_order,
-                    cudagraph_mode=args.cudagraph_mode) | overrides
+                    suspend_margin=args.suspend_margin, cudagraph_mode=args.cudagraph_mode) | overrides
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
@@ -515,6 +515,11 @@ def release_gpu_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def suspend_margin_arg(text: str) -> int | None:
+    """--suspend-margin's value: steps, or 'off'."""
+    return None if text == "off" else int(text)
 
 
 def save(out: Path) -> None:
@@ -558,6 +563,8 @@ def main() -> None:
                         help="the order the engines admit waiting requests in for the offline workloads "
                              "(EngineConfig.admission_order; the default is the offline LLM's); the online run "
                              "admits in arrival order, as `loraserve serve` does")
+    parser.add_argument("--suspend-margin", type=suspend_margin_arg, default=EngineConfig.suspend_margin,
+                        help="balanced admission's suspension margin in steps, or 'off' (EngineConfig.suspend_margin)")
     parser.add_argument("--cudagraph-mode", choices=CUDAGRAPH_MODES, default="full_and_piecewise",
                         help="CUDA graphs for decode steps only, or for mixed steps' pieces too (EngineConfig)")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the engine thread during (d)")

@@ -45,7 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from adapters_registry import ModelInfo
-from benchmarks.serving import zipf_choice
+from benchmarks.serving import suspend_margin_arg, zipf_choice
+from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator
 from engine.lora_manager import LoRAManager
 from engine.lora_request import LoRARequest
@@ -72,6 +73,7 @@ class Workload:
     max_cpu_loras: int = 128
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 8192
+    suspend_margin: int | None = EngineConfig.suspend_margin
 
 
 @dataclass
@@ -88,6 +90,7 @@ class Result:
     estimated_decode_only_s: float  # of which in decode-only steps
     schedule_ms_per_step: float  # host time in schedule() and schedule_decode(), on this machine
     slot_loads: int
+    suspensions: int
     disk_reads: int
     distinct_adapters: int
 
@@ -148,7 +151,7 @@ class Simulation:
         num_blocks = workload.max_num_seqs * -(-MAX_MODEL_LEN // BLOCK_SIZE)
         self.scheduler = Scheduler(BlockAllocator(num_blocks), BLOCK_SIZE, workload.max_num_seqs,
                                    workload.max_num_batched_tokens, adapter_slots=self.manager,
-                                   admission_order=admission_order)
+                                   admission_order=admission_order, suspend_margin=workload.suspend_margin)
         self.async_scheduling = async_scheduling
         self.in_flight: _InFlight | None = None
         self.params = SamplingParams(temperature=0, max_tokens=workload.output_len, ignore_eos=True)
@@ -264,6 +267,7 @@ class Simulation:
                       mean_running=statistics.mean(running_after), mean_decode_batch=statistics.mean(decode_batches),
                       estimated_gpu_s=gpu_ms / 1e3, estimated_decode_only_s=decode_ms / 1e3,
                       schedule_ms_per_step=1e3 * schedule_s[0] / steps, slot_loads=self.manager.slot_loads,
+                      suspensions=scheduler.num_suspensions,
                       disk_reads=self.manager.disk_reads, distinct_adapters=self.distinct_adapters)
 
 
@@ -297,12 +301,15 @@ def main() -> None:
                         help="steps an adapter read takes (1: ready for the next step)")
     parser.add_argument("--sync", action="store_true", help="synchronous steps (no async scheduling)")
     parser.add_argument("--seed", type=int, default=0, help="the Zipf picks' seed (serving.py's is 0)")
+    parser.add_argument("--suspend-margin", type=suspend_margin_arg, default=EngineConfig.suspend_margin,
+                        help="balanced admission's suspension margin in steps, or 'off'")
     args = parser.parse_args()
     print("H200 (d), eighteenth session: fcfs 909 and 910 steps, balanced 797 and 800")
     for read_steps in args.read_steps:
         for order in args.admission_order:
             t = time.perf_counter()
-            result = simulate(order, read_steps, not args.sync, Workload(seed=args.seed))
+            result = simulate(order, read_steps, not args.sync, Workload(seed=args.seed,
+                                                                         suspend_margin=args.suspend_margin))
             fields = ", ".join(f"{key}={round(value, 3) if isinstance(value, float) else value}"
                                for key, value in asdict(result).items())
             print(f"read_steps={read_steps} {fields} ({time.perf_counter() - t:.1f}s)")

@@ -68,13 +68,10 @@ class AsyncEngine:
         return self.call(manager.status) if manager is not None else {}
 
     def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
-        if self.engine.lora_manager is None:
-            raise ValueError("LoRA is not enabled; start the engine with enable_lora=True")
-        self.call(lambda: self.engine.lora_manager.add(lora_request, adapter))
+        self.call(lambda: self.engine.add_lora(lora_request, adapter))
 
     def remove_lora(self, lora_int_id: int) -> None:
-        if self.engine.lora_manager is not None:
-            self.call(lambda: self.engine.lora_manager.remove(lora_int_id))
+        self.call(lambda: self.engine.remove_lora(lora_int_id))
 
     # ---- requests -------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams | None = None,

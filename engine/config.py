@@ -45,6 +45,9 @@ class EngineConfig:
     # the order waiting requests are admitted in: "fcfs", or "balanced" (adapter by adapter, giving each free
     # adapter slot to the adapter that fills the batch best; see engine/scheduler.py)
     admission_order: str = "fcfs"
+    # balanced only: an adapter with this many fewer steps left than a waiting one yields its slot to it, keeping
+    # its KV blocks (None: never; see Scheduler._suspension)
+    suspend_margin: int | None = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):
@@ -67,6 +70,8 @@ class EngineConfig:
         if self.adapter_reader == "process" and self.tensor_parallel_size > 1:
             raise ValueError("adapter_reader='process' does not work with tensor parallelism; use 'threads'")
         check_admission_order(self.admission_order)
+        if self.suspend_margin is not None and self.suspend_margin < 1:
+            raise ValueError(f"suspend_margin must be at least 1 or None, got {self.suspend_margin}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}; got {self.cudagraph_mode!r}")
         if self.load_format not in ("auto", "dummy"):

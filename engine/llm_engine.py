@@ -132,6 +132,7 @@ class LLMEngine:
             self.allocator, self.block_size, config.max_num_seqs,
             config.max_num_batched_tokens or max(4096, min(self.max_model_len, 8192)),
             adapter_slots=self.lora_manager, admission_order=config.admission_order,
+            suspend_margin=config.suspend_margin,
         )
         self.runner = ModelRunner(self.model, kv_caches, self.block_size, self.device,
                                   lora_slot_ranks=None if self.lora_manager is None else self.lora_manager.slot_ranks)
@@ -313,10 +314,34 @@ class LLMEngine:
             raise ValueError(f"The request needs {blocks} KV cache blocks but the cache has only "
                              f"{self.allocator.num_blocks}")
 
+    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
+        """Register an adapter (with its weights, if already loaded). An id unloaded while requests for it are
+        still queued or running is refused until they end: they would run with the new adapter's weights."""
+        if self.lora_manager is None:
+            raise ValueError("LoRA is not enabled; start the engine with enable_lora=True")
+        int_id = lora_request.lora_int_id
+        if int_id in self.lora_manager.removed and any(r.lora_int_id == int_id for r in self.requests.values()):
+            raise ValueError(f"lora_int_id {int_id} was unloaded, and requests still use its old weights; add the "
+                             f"adapter under another id")
+        self.lora_manager.add(lora_request, adapter)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Unload an adapter: new requests for it fail; those already queued or running finish with it."""
+        if self.lora_manager is not None:
+            self.lora_manager.remove(lora_int_id)
+
+    def _release_unloaded_adapter(self, request: Request) -> None:
+        """An unloaded adapter's last request ended: its slot and host copy (or a read still landing) go now."""
+        int_id = request.lora_int_id
+        if int_id and int_id in self.lora_manager.removed \
+                and not any(other.lora_int_id == int_id for other in self.requests.values()):
+            self.lora_manager.release(int_id)
+
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._release_unloaded_adapter(request)
         for seq in request.sequences:
             if seq.status is not SequenceStatus.FINISHED:
                 seq.drop_in_flight_token()  # its step's token is dropped when read back
@@ -559,8 +584,8 @@ class LLMEngine:
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.finished
-        if finished:
-            self.requests.pop(request.request_id, None)
+        if finished and self.requests.pop(request.request_id, None) is not None:
+            self._release_unloaded_adapter(request)
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=[_completion(seq) for seq in request.sequences], finished=finished,

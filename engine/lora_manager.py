@@ -100,20 +100,18 @@ class LoRAManager:
         else:
             self._reader = ThreadPoolExecutor(max_workers=self.READER_THREADS, thread_name_prefix="lora-reader")
         # adapter id -> (read, the host row it fills, the adapter it reads)
-        self._reads: dict[int, tuple[Future, int, LoRARequest]] = {}
+        self._reads: dict[int, tuple[Future, int, LoRARequest | None]] = {}  # None: released, dropped on landing
         self.disk_reads = 0  # adapters read from disk, ever (a high rate: max_cpu_loras is too small)
         self.slot_loads = 0  # adapters copied into a device slot, ever (a high rate: max_loras is too small)
         self._failed_reads: dict[int, BaseException] = {}
 
     # ---- registration ---------------------------------------------------------------------
     def add(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
-        """Make an adapter known (and cache its already-loaded weights, if given)."""
+        """Make an adapter known (and cache its already-loaded weights, if given). An unloaded id may be added
+        again once no request uses it (`LLMEngine.add_lora` checks)."""
         self._check_identity(lora_request)
         int_id = lora_request.lora_int_id
         if int_id in self.removed:
-            if self.pins[int_id]:
-                raise ValueError(f"lora_int_id {int_id} was unloaded, and running requests still use its old "
-                                 f"weights; add the adapter under another id")
             self._free(int_id)  # a copy that lingers (a read that landed after the unload) is the old adapter's
             self.removed.discard(int_id)
         self.known[int_id] = lora_request
@@ -145,6 +143,14 @@ class LoRAManager:
         self.removed.add(lora_int_id)
         if self.pins[lora_int_id] == 0:
             self._free(lora_int_id)
+
+    def release(self, lora_int_id: int) -> None:
+        """An unloaded adapter no request needs any more: free its slot and host copy, and drop its read if one
+        is still in flight."""
+        self._free(lora_int_id)
+        if lora_int_id in self._reads:
+            future, row, _ = self._reads[lora_int_id]
+            self._reads[lora_int_id] = (future, row, None)
 
     def _check_identity(self, lora_request: LoRARequest) -> None:
         other = self.known.get(lora_request.lora_int_id)
@@ -214,8 +220,8 @@ class LoRAManager:
         for int_id, (future, row, lora_request) in list(self._reads.items()):
             if future.done():
                 del self._reads[int_id]
-                if self.known.get(int_id, lora_request) != lora_request:  # the id was given to another adapter
-                    self._free_rows.append(row)
+                if lora_request is None or self.known.get(int_id, lora_request) != lora_request:
+                    self._free_rows.append(row)  # released, or the id was given to another adapter
                 elif future.exception() is None:
                     self._row_ranks[row] = future.result()
                     self._cache(int_id, row)

@@ -12,7 +12,9 @@ adapters that fill the slots and the batch together. On the H200's workload (d) 
 of 909-910, at 4724-4847 tok/s against 4393-4628 (BENCHMARKS.md, eighteenth session); with two other seeds'
 Zipf picks, 784 and 795 steps where it had run 909 and 914 before its reads ahead followed its order
 (nineteenth session). The offline `LLM` admits so by default; the engine and the server keep arrival order,
-which online clients see as fairness.
+which online clients see as fairness. Balanced admission also suspends: with every slot busy, an adapter whose
+sequences are near their end yields its slot to a waiting adapter with far more work left, and its sequences
+keep their KV blocks to resume later (`_suspension`).
 """
 from __future__ import annotations
 
@@ -25,6 +27,12 @@ from .lora_request import LoRARequest
 from .sequence import Sequence, SequenceStatus
 
 ADMISSION_ORDERS = ("fcfs", "balanced")
+
+
+def _steps_left(seq: Sequence) -> int:
+    """Steps the sequence still needs at most: its tokens to generate, plus one if its prompt is not computed."""
+    generated = len(seq.token_ids) - seq.num_prompt_tokens
+    return seq.request.params.max_tokens - generated + (seq.num_computed_tokens < seq.num_prompt_tokens)
 
 
 def check_admission_order(order: str) -> None:
@@ -58,6 +66,12 @@ class ScheduledSequence:
 
 
 @dataclass
+class Suspension:
+    victims: list[Sequence]  # the running sequences of the adapter that yields its slot
+    taker: int  # the waiting adapter (int id) the slot goes to
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -71,10 +85,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, allocator: BlockAllocator, block_size: int, max_num_seqs: int,
                  max_num_batched_tokens: int, adapter_slots: AdapterSlots | None = None, max_skips: int = 8,
-                 admission_order: str = "fcfs"):
+                 admission_order: str = "fcfs", suspend_margin: int | None = None):
         """admission_order: the order waiting sequences are considered in (starving ones always first):
         "fcfs", arrival; "balanced", each adapter's sequences together, adapters picked to fill the slots
-        and the batch at once (`_balanced_ranks`)."""
+        and the batch at once (`_balanced_ranks`). suspend_margin (balanced only): see `_suspension`."""
         check_admission_order(admission_order)
         self.allocator = allocator
         self.block_size = block_size
@@ -83,6 +97,8 @@ class Scheduler:
         self.adapter_slots = adapter_slots
         self.max_skips = max_skips
         self.admission_order = admission_order
+        self.suspend_margin = suspend_margin if admission_order == "balanced" else None
+        self.num_suspensions = 0
         self.waiting: deque[Sequence] = deque()
         self.draining: int | None = None  # adapter int id getting no new sequences, for a starving one
         self.running: list[Sequence] = []
@@ -99,6 +115,7 @@ class Scheduler:
             self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.allocator.free(seq.block_table)  # a suspended sequence's
         seq.status = SequenceStatus.FINISHED
 
     def _release(self, seq: Sequence) -> None:
@@ -125,6 +142,9 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         output = SchedulerOutput()
+        suspension = self._suspension()
+        if suspension is not None:
+            self._suspend(suspension.victims)
         budget = self.max_num_batched_tokens
         scheduled_ids: set[int] = set()
         for seq in list(self.running):
@@ -140,7 +160,7 @@ class Scheduler:
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
         if not output.preempted:
-            self._admit(output, budget)
+            self._admit(output, budget, first=suspension.taker if suspension is not None else None)
         return output
 
     def schedule_decode(self) -> SchedulerOutput | None:
@@ -179,11 +199,69 @@ class Scheduler:
         if slots is None or slots.takeable_slots():
             return False
         return all(seq.request.lora_request is not None and not slots.is_resident(seq.request.lora_request)
-                   for seq in self.waiting)
+                   for seq in self.waiting) and self._suspension() is None
+
+    # ---- suspension: an adapter yields its slot to one with longer work left --------------------
+    def _suspension(self) -> Suspension | None:
+        """The running sequences to suspend so that a waiting adapter takes their slot, if any.
+
+        With every slot busy, the waiting adapter with the most work left (steps its longest sequence needs)
+        takes the slot of the running adapter with the least, when that is `suspend_margin` steps less and
+        has no more sequences. The suspended sequences keep their KV blocks and wait like any other, to
+        resume where they stopped. An adapter holds its slot for as long as its longest sequence runs, so
+        without this, many adapters on few slots end in a last wave that holds only a few of them
+        (workload (d): 173 adapters on 32 slots need 6 waves of 129 steps, the last with 13 adapters);
+        `benchmarks/zipf_schedule.py` takes 736 steps instead of 794 with it."""
+        slots = self.adapter_slots
+        if self.suspend_margin is None or slots is None or not self.waiting or slots.takeable_slots():
+            return None
+        work: dict[int, int] = {}
+        count: dict[int, int] = {}
+        lora_of: dict[int, LoRARequest] = {}
+        for seq in self.waiting:
+            lora = seq.request.lora_request
+            if lora is None or slots.is_resident(lora):
+                return None  # admitted without a slot of their own: let them in first
+            int_id = lora.lora_int_id
+            work[int_id] = max(work.get(int_id, 0), _steps_left(seq))
+            count[int_id] = count.get(int_id, 0) + 1
+            lora_of[int_id] = lora
+        pick = max(work, key=lambda int_id: (work[int_id], count[int_id]))
+        running: dict[int, list[Sequence]] = {}
+        for seq in self.running:
+            if seq.request.lora_request is not None:
+                running.setdefault(seq.lora_int_id, []).append(seq)
+        victims = [seqs for seqs in running.values() if len(seqs) <= count[pick]
+                   and all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in seqs)]
+        if not victims:
+            return None
+        victim = min(victims, key=lambda seqs: max(map(_steps_left, seqs)))
+        if work[pick] - max(map(_steps_left, victim)) < self.suspend_margin:
+            return None
+        # the KV cache holds max_num_seqs whole sequences: the suspended ones count
+        holding = len(self.running) + sum(1 for seq in self.waiting if seq.block_table)
+        if holding + count[pick] > self.max_num_seqs or not slots.is_ready(lora_of[pick], False):
+            return None
+        return Suspension(victim, pick)
+
+    def _suspend(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.running.remove(seq)
+            self.adapter_slots.unpin(seq.request.lora_request)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.append(seq)
+        self.num_suspensions += 1
 
     def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
-        """Preempts the newest running sequences not yet scheduled until `needed` blocks are free; False
-        when that took `seq` itself."""
+        """Drops suspended sequences' KV, then preempts the newest running sequences not yet scheduled,
+        until `needed` blocks are free; False when that took `seq` itself."""
+        for suspended in reversed(self.waiting):
+            if needed <= self.allocator.num_free:
+                return True
+            if suspended.block_table:
+                self.allocator.free(suspended.block_table)
+                suspended.num_computed_tokens = 0
+                self.num_preemptions += 1
         while needed > self.allocator.num_free:
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
             self._preempt(victim, output)
@@ -191,7 +269,8 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, output: SchedulerOutput, budget: int) -> None:
+    def _admit(self, output: SchedulerOutput, budget: int, first: int | None = None) -> None:
+        """first: the adapter whose sequences go first (a suspension's taker, so the slot goes to it)."""
         slots = self.adapter_slots
         if slots is not None:
             slots.collect_reads()  # once per pass: a read landing mid-pass could be evicted before its turn
@@ -200,7 +279,7 @@ class Scheduler:
         if budget == 0 or len(self.running) >= self.max_num_seqs:
             return  # before ordering the waiting sequences for nothing
         read_errors: dict[int, BaseException] = {}
-        for seq in self._in_admission_order():
+        for seq in self._in_admission_order(first):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 return
             lora = seq.request.lora_request if slots is not None else None
@@ -236,14 +315,15 @@ class Scheduler:
             output.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
 
-    def _in_admission_order(self) -> list[Sequence]:
-        """The waiting sequences in the order `_admit` considers them: starving ones first, then as
-        `admission_order` says."""
+    def _in_admission_order(self, first: int | None) -> list[Sequence]:
+        """The waiting sequences in the order `_admit` considers them: the `first` adapter's, then starving
+        ones, then as `admission_order` says."""
         waiting = list(self.waiting)
         if self.admission_order == "fcfs" or self.adapter_slots is None:
             return waiting
         rank = self._balanced_ranks(waiting)
-        return sorted(waiting, key=lambda seq: (seq.skipped_steps <= self.max_skips, rank[seq.lora_int_id]))
+        return sorted(waiting, key=lambda seq: (seq.lora_int_id != first, seq.skipped_steps <= self.max_skips,
+                                                rank[seq.lora_int_id]))
 
     def _balanced_ranks(self, waiting: list[Sequence]) -> dict[int, int]:
         """Adapter int id (0: base) -> its turn. First the base model and the adapters holding a slot (their

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from engine import LoRARequest
+from engine import LoRARequest, SamplingParams
 from engine.lora_manager import LoRAManager
 from tests.engine.conftest import make_engine
 from tests.tiny_models import make_peft_adapter
@@ -98,14 +98,36 @@ def test_an_id_given_to_another_adapter_never_serves_the_old_adapters_late_read(
     assert torch.equal(manager._pool[manager.host[other.lora_int_id]], fresh._pool[fresh.host[second.lora_int_id]])
 
 
-def test_an_id_removed_while_its_requests_run_cannot_be_added_again_with_other_weights(manager, adapters):
+def test_an_id_removed_while_its_requests_wait_cannot_be_added_again_with_other_weights(tiny_llama, adapters):
+    """The waiting request was made for the first adapter: it must not run with the second one's weights."""
     first, second, _ = adapters
-    _read_ahead(manager, first)
-    manager.pin(first)  # a running request
-    manager.remove(first.lora_int_id)
+    engine = make_engine(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=4, max_num_seqs=1)
+    engine.add_request([5] * 6, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), None)
+    engine.step()
+    waiting = engine.add_request([9] * 6, SamplingParams(temperature=0, max_tokens=4), first)
+    engine.remove_lora(first.lora_int_id)
     other = LoRARequest(second.lora_name, first.lora_int_id, second.lora_path)
-    with pytest.raises(ValueError, match="running requests still use its old weights"):
-        manager.add(other)
-    manager.unpin(first)
-    manager.add(other)  # once the last request is done, the id is free
-    assert manager.known[first.lora_int_id] == other
+    with pytest.raises(ValueError, match="requests still use its old weights"):
+        engine.add_lora(other)
+    engine.abort(waiting)
+    engine.add_lora(other)  # once the last request is gone, the id is free
+    assert engine.lora_manager.known[first.lora_int_id] == other
+
+
+def test_an_unloaded_adapter_read_back_for_a_waiting_request_goes_when_that_request_is_aborted(tiny_llama, adapters):
+    first, second, _ = adapters
+    engine = make_engine(tiny_llama, enable_lora=True, max_loras=1, max_lora_rank=4, max_cpu_loras=2)
+    manager = engine.lora_manager
+    engine.add_request([5] * 6, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), second)
+    while not engine.scheduler.running:
+        engine.step()
+    waiting = engine.add_request([9] * 6, SamplingParams(temperature=0, max_tokens=4), first)
+    engine.remove_lora(first.lora_int_id)
+    engine.step()  # the waiting request reads its adapter ahead
+    assert first.lora_int_id in manager._reads or first.lora_int_id in manager.host
+    engine.abort(waiting)
+    while engine.has_unfinished_requests():
+        engine.step()
+    manager.wait_for_reads(timeout=None)
+    manager.collect_reads()
+    assert first.lora_int_id not in manager.host and first.lora_int_id not in manager.status()

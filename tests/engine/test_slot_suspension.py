@@ -1,0 +1,123 @@
+"""Balanced admission's suspension: with every adapter slot busy, an adapter with little work left yields its slot to
+a waiting one with much more, keeping its sequences' KV blocks, and resumes where it stopped."""
+from __future__ import annotations
+
+import pytest
+
+from engine import LoRARequest, SamplingParams
+from engine.sequence import SequenceStatus
+from tests.engine.conftest import make_engine, run_to_completion
+from tests.tiny_models import make_peft_adapter
+
+SHORT = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=72, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory):
+    root = tmp_path_factory.mktemp("suspension-adapters")
+    return [LoRARequest(f"adapter-{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"adapter-{i}", r=4, seed=i)))
+            for i in range(3)]
+
+
+def one_slot_engine(tiny_llama, adapters, admission_order="balanced", **overrides):
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=1, max_cpu_loras=len(adapters),
+                         admission_order=admission_order, **overrides)
+    for lora in adapters:
+        engine.lora_manager.add(lora)
+    return engine
+
+
+def run_until_short_is_nearly_done(engine, short_id: str) -> None:
+    """Steps until the short request has 18 of its 24 tokens: 67 fewer steps left than a new 72-token one."""
+    while len(engine.requests[short_id].sequences[0].output_token_ids) < 18:
+        engine.step()
+
+
+def test_an_adapter_with_little_work_left_yields_its_slot_and_keeps_its_kv(tiny_llama, adapters):
+    a, b, _ = adapters
+    engine = one_slot_engine(tiny_llama, adapters)
+    short = engine.add_request("Hello there", SHORT, a)
+    run_until_short_is_nearly_done(engine, short)
+    engine.add_request("Hello there", LONG, b)
+    engine.step()
+    engine.step()
+    seq = engine.requests[short].sequences[0]
+    assert engine.scheduler.num_suspensions == 1
+    assert seq.status is SequenceStatus.WAITING and seq.block_table
+    assert seq.num_computed_tokens == len(seq.token_ids) - 1  # only its last token is left to compute
+    assert [s.request.lora_request.lora_name for s in engine.scheduler.running] == [b.lora_name]
+    run_to_completion(engine)
+
+
+@pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
+def test_suspended_and_resumed_sequences_give_the_same_tokens(tiny_llama, adapters, async_steps):
+    """Also with steps left in flight (async scheduling): a suspension waits for the step in flight to be read."""
+    a, b, c = adapters
+
+    def generate(suspend_margin):
+        engine = one_slot_engine(tiny_llama, adapters, async_scheduling_eager=async_steps)
+        engine.scheduler.suspend_margin = suspend_margin
+        first = engine.add_request("Hello there", SHORT, a)
+        run_until_short_is_nearly_done(engine, first)
+        later = [engine.add_request("Hello there", LONG, b), engine.add_request("General Kenobi", LONG, c)]
+        outputs = run_to_completion(engine)
+        return [outputs[i].outputs[0].token_ids for i in [first, *later]], engine.scheduler.num_suspensions
+
+    suspended, suspensions = generate(32)
+    plain, none = generate(None)
+    assert suspensions >= 1 and none == 0
+    assert suspended == plain
+
+
+def test_aborting_a_suspended_request_frees_its_blocks(tiny_llama, adapters):
+    a, b, _ = adapters
+    engine = one_slot_engine(tiny_llama, adapters)
+    free_before = engine.allocator.num_free
+    short = engine.add_request("Hello there", SHORT, a)
+    run_until_short_is_nearly_done(engine, short)
+    engine.add_request("Hello there", LONG, b)
+    while engine.scheduler.num_suspensions == 0:
+        engine.step()
+    engine.abort(short)
+    run_to_completion(engine)
+    assert engine.allocator.num_free == free_before
+    assert not engine.lora_manager.pins
+
+
+def test_no_suspension_when_the_work_left_differs_by_less_than_the_margin(tiny_llama, adapters):
+    a, b, _ = adapters
+    engine = one_slot_engine(tiny_llama, adapters)
+    short = engine.add_request("Hello there", SHORT, a)
+    run_until_short_is_nearly_done(engine, short)
+    engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), b)  # 25 more
+    run_to_completion(engine)
+    assert engine.scheduler.num_suspensions == 0
+
+
+def test_arrival_order_never_suspends(tiny_llama, adapters):
+    a, b, _ = adapters
+    engine = one_slot_engine(tiny_llama, adapters, admission_order="fcfs")
+    short = engine.add_request("Hello there", SHORT, a)
+    run_until_short_is_nearly_done(engine, short)
+    engine.add_request("Hello there", LONG, b)
+    run_to_completion(engine)
+    assert engine.scheduler.num_suspensions == 0
+
+
+def test_a_suspended_sequences_kv_goes_before_a_running_sequence_is_preempted(tiny_llama, adapters):
+    """The cache runs short while A is suspended: A gives up its blocks (to recompute them later), and the
+    running B is not preempted."""
+    a, b, _ = adapters
+    engine = one_slot_engine(tiny_llama, adapters, block_size=4, num_kv_blocks=22)
+    short = engine.add_request("Hello there", SHORT, a)
+    run_until_short_is_nearly_done(engine, short)
+    engine.add_request("Hello there", LONG, b)
+    while engine.scheduler.num_suspensions == 0:
+        engine.step()
+    seq = engine.requests[short].sequences[0]
+    while seq.block_table:
+        engine.step()
+    assert seq.num_computed_tokens == 0 and engine.scheduler.num_preemptions == 1
+    assert [s.request.lora_request.lora_name for s in engine.scheduler.running] == [b.lora_name]
+    run_to_completion(engine)
