@@ -278,10 +278,18 @@ class Scheduler:
             self.draining = None  # the starving sequence left (aborted, failed) before its adapter got the slot
         if budget == 0 or len(self.running) >= self.max_num_seqs:
             return  # before ordering the waiting sequences for nothing
+        if self._admit_waiting(output, budget, first) and self.draining is None:
+            # after the pass: an adapter that took a slot in it first admits all its sequences waiting
+            self.draining = slots.drain_candidate()
+
+    def _admit_waiting(self, output: SchedulerOutput, budget: int, first: int | None) -> bool:
+        """Admits what fits, in admission order; True when a starving sequence found no slot."""
+        slots = self.adapter_slots
+        starving = False
         read_errors: dict[int, BaseException] = {}
         for seq in self._in_admission_order(first):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
-                return
+                return starving
             lora = seq.request.lora_request if slots is not None else None
             if lora is not None:
                 pinnable = slots.can_pin(lora)
@@ -294,15 +302,14 @@ class Scheduler:
                     continue
                 if not pinnable:
                     seq.skipped_steps += 1
-                    if seq.skipped_steps > self.max_skips and self.draining is None:
-                        self.draining = slots.drain_candidate()
+                    starving |= seq.skipped_steps > self.max_skips
                     continue
                 if not ready or lora.lora_int_id == self.draining:
                     continue  # not ready: its weights are being read from disk; others go first meanwhile
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(seq, num_new)
             if needed > self.allocator.num_free:
-                return
+                return starving
             if lora is not None:
                 slots.pin(lora)
                 if seq.skipped_steps > self.max_skips:
@@ -314,6 +321,7 @@ class Scheduler:
             self.running.append(seq)
             output.scheduled.append(ScheduledSequence(seq, num_new))
             budget -= num_new
+        return starving
 
     def _in_admission_order(self, first: int | None) -> list[Sequence]:
         """The waiting sequences in the order `_admit` considers them: the `first` adapter's, then starving

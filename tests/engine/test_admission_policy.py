@@ -185,3 +185,18 @@ def test_a_decode_step_with_blocked_admission_counts_the_waiting_as_skipped(tiny
     assert [item.seq for item in plan.scheduled] == engine.scheduler.running
     assert waiting.skipped_steps == 1
     run_to_completion(engine)
+
+
+def test_an_adapter_taking_a_slot_from_starving_ones_admits_all_its_waiting_sequences(tiny_llama, adapters):
+    """One slot, five requests each for three adapters arriving in turn: the starvation guard hands the slot on,
+    but each adapter that gets it runs all its waiting requests, so the slot is loaded once per adapter (it used
+    to drain at once for the next starving adapter, and the slot served one request per load)."""
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=1, max_cpu_loras=3)
+    for lora in adapters:
+        engine.lora_manager.add(lora)
+    for _ in range(5):
+        for lora in adapters:
+            engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), lora)
+    outputs = run_to_completion(engine)
+    assert len(outputs) == 15
+    assert engine.lora_manager.slot_loads == 3
