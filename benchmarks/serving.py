@@ -242,7 +242,8 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     decode_walls, steady_walls, batch_sizes, timeline = [], [], [], []
     after_decode_only = False
     phases = time_phases(engine) if timeline_to is not None else {}
-    before = engine.stats()
+    before = first = engine.stats()
+    suspensions = engine.scheduler.num_suspensions
     with collector_pauses() as pauses, kernel_compiles(timeline) as compiles:
         while engine.has_unfinished_requests():
             prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
@@ -272,6 +273,9 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
                 idle_steps=batch_sizes.count(0), decode_steps=len(decode_walls), decode_seconds=sum(decode_walls),
+                slot_loads=before.lora_slot_loads - first.lora_slot_loads,
+                disk_reads=before.lora_disk_reads - first.lora_disk_reads,
+                suspensions=engine.scheduler.num_suspensions - suspensions,
                 **_stalls(steady_walls), **_pause_summary(pauses), kernel_compiles=compiles)
 
 

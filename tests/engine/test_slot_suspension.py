@@ -20,9 +20,9 @@ def adapters(tiny_llama, tmp_path_factory):
             for i in range(3)]
 
 
-def one_slot_engine(tiny_llama, adapters, admission_order="balanced", **overrides):
+def one_slot_engine(tiny_llama, adapters, admission_order="balanced", suspend_margin=32, **overrides):
     engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=1, max_cpu_loras=len(adapters),
-                         admission_order=admission_order, **overrides)
+                         admission_order=admission_order, suspend_margin=suspend_margin, **overrides)
     for lora in adapters:
         engine.lora_manager.add(lora)
     return engine
@@ -52,17 +52,20 @@ def test_an_adapter_with_little_work_left_yields_its_slot_and_keeps_its_kv(tiny_
 
 @pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
 def test_suspended_and_resumed_sequences_give_the_same_tokens(tiny_llama, adapters, async_steps):
-    """Also with steps left in flight (async scheduling): a suspension waits for the step in flight to be read."""
+    """Also with steps left in flight (async scheduling), where a suspension waits for a step scheduled afresh:
+    here the end of A's first request."""
     a, b, c = adapters
 
     def generate(suspend_margin):
-        engine = one_slot_engine(tiny_llama, adapters, async_scheduling_eager=async_steps)
-        engine.scheduler.suspend_margin = suspend_margin
-        first = engine.add_request("Hello there", SHORT, a)
-        run_until_short_is_nearly_done(engine, first)
-        later = [engine.add_request("Hello there", LONG, b), engine.add_request("General Kenobi", LONG, c)]
+        engine = one_slot_engine(tiny_llama, adapters, suspend_margin=suspend_margin,
+                                 async_scheduling_eager=async_steps)
+        first = [engine.add_request("Hello there", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), a),
+                 engine.add_request("Hello there", SHORT, a)]
+        run_until_short_is_nearly_done(engine, first[1])
+        later = [engine.add_request("Hello there", LONG, b), engine.add_request("General Kenobi", LONG, b),
+                 engine.add_request("General Kenobi", LONG, c)]
         outputs = run_to_completion(engine)
-        return [outputs[i].outputs[0].token_ids for i in [first, *later]], engine.scheduler.num_suspensions
+        return [outputs[i].outputs[0].token_ids for i in [*first, *later]], engine.scheduler.num_suspensions
 
     suspended, suspensions = generate(32)
     plain, none = generate(None)
@@ -97,7 +100,8 @@ def test_no_suspension_when_the_work_left_differs_by_less_than_the_margin(tiny_l
 
 def test_arrival_order_never_suspends(tiny_llama, adapters):
     a, b, _ = adapters
-    engine = one_slot_engine(tiny_llama, adapters, admission_order="fcfs")
+    engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=1, admission_order="fcfs",
+                         suspend_margin=32)
     short = engine.add_request("Hello there", SHORT, a)
     run_until_short_is_nearly_done(engine, short)
     engine.add_request("Hello there", LONG, b)

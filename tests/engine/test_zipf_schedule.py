@@ -21,10 +21,10 @@ SUSPENDING_SLOT_BOUND = math.ceil(DISTINCT_ADAPTERS * LIFETIME / WORKLOAD.max_lo
 @pytest.fixture(scope="module")
 def results():
     return {"fcfs": simulate("fcfs"), "balanced": simulate("balanced"),
-            "balanced without suspension": simulate("balanced", workload=Workload(suspend_margin=None))}
+            "balanced with suspension": simulate("balanced", workload=Workload(suspend_margin=32))}
 
 
-@pytest.mark.parametrize("order", ["fcfs", "balanced without suspension"])
+@pytest.mark.parametrize("order", ["fcfs", "balanced"])
 def test_every_request_runs_within_the_slot_bound(results, order):
     result = results[order]
     assert result.distinct_adapters == DISTINCT_ADAPTERS
@@ -32,14 +32,14 @@ def test_every_request_runs_within_the_slot_bound(results, order):
 
 
 def test_suspension_runs_within_the_slot_work_bound(results):
-    assert results["balanced"].steps >= SUSPENDING_SLOT_BOUND
+    assert results["balanced with suspension"].steps >= SUSPENDING_SLOT_BOUND
 
 
 def test_suspension_ends_the_adapters_together_in_fewer_steps(results):
     """The last wave held 13 of the 173 adapters on 32 slots: suspending adapters near their end for those with
     most work left fills it. The simulation took 733 steps against 794 without."""
-    assert results["balanced"].suspensions > 0
-    assert results["balanced"].steps <= 0.95 * results["balanced without suspension"].steps
+    assert results["balanced with suspension"].suspensions > 0
+    assert results["balanced with suspension"].steps <= 0.95 * results["balanced"].steps
 
 
 def test_balanced_admission_takes_fewer_steps_than_arrival_order(results):
