@@ -31,7 +31,7 @@ slots put 6 of them in one slot, so at least 774 steps (balanced with reads that
 rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is 5.3 ms per step.
 Unless adapters yield their slots mid-way: with `--suspend-margin 32` (EngineConfig.suspend_margin), balanced
 takes 733 steps (52 suspensions), 13.05 s. This simulation leaves no step in flight while requests wait and the
-batch has room, so every step schedules afresh; the engine suspends only at such steps.
+batch has room, so it does not count what each suspension costs the engine: a step in flight read back early.
 """
 from __future__ import annotations
 

@@ -52,8 +52,7 @@ def test_an_adapter_with_little_work_left_yields_its_slot_and_keeps_its_kv(tiny_
 
 @pytest.mark.parametrize("async_steps", [False, True], ids=["sync", "async"])
 def test_suspended_and_resumed_sequences_give_the_same_tokens(tiny_llama, adapters, async_steps):
-    """Also with steps left in flight (async scheduling), where a suspension waits for a step scheduled afresh:
-    here the end of A's first request."""
+    """Also with steps left in flight (async scheduling): a suspension waits for the step in flight to be read."""
     a, b, c = adapters
 
     def generate(suspend_margin):
