@@ -39,10 +39,12 @@ class ChatHandler:
         # no max_tokens: the engine allows what the context window (after truncate_prompt_tokens) and cache hold
         params = sampling_params(body, max_tokens=body.requested_max_tokens(), logprobs=top_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generations = await start_all(
+        generations = await unless_disconnected(request, start_all(
             state.engine, [prompt_ids], params, lora, [request_id],
             [state.metrics.tracker(lora)],
-        )
+        ))
+        if generations is None:  # the client went away while its requests were queued
+            return Response(status_code=499)
         model = body.model or state.adapters.base_name
         created = int(time.time())
         if body.stream:

@@ -39,11 +39,13 @@ class CompletionHandler:
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
         prompts = body.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generations = await start_all(
+        generations = await unless_disconnected(request, start_all(
             state.engine, prompts, params, lora,
             [f"{request_id}-{i}" for i in range(len(prompts))],
             [state.metrics.tracker(lora) for _ in prompts],
-        )
+        ))
+        if generations is None:  # the client went away while its requests were queued
+            return Response(status_code=499)
         model = body.model or state.adapters.base_name
         created = int(time.time())
         if body.stream:

@@ -93,18 +93,31 @@ async def _abort(engine, request_id: str) -> None:
 
 
 async def start_all(engine, prompts, params, lora_request, request_ids, trackers) -> list[Generation]:
-    """Start several engine requests concurrently; if one fails, abort the others and re-raise."""
-    results = await asyncio.gather(
-        *(Generation.start(engine, p, params, lora_request, rid, t) for p, rid, t in zip(prompts, request_ids, trackers)),
-        return_exceptions=True,
-    )
-    errors = [r for r in results if isinstance(r, BaseException)]
+    """Start several engine requests concurrently; if one fails, or the caller is cancelled (its client went away
+    while they were queued), abort them all and re-raise."""
+    tasks = [asyncio.ensure_future(Generation.start(engine, p, params, lora_request, rid, t))
+             for p, rid, t in zip(prompts, request_ids, trackers)]
+    try:
+        await asyncio.wait(tasks)
+    except BaseException:
+        await _close_all(tasks)
+        raise
+    errors = [task.exception() for task in tasks if task.exception() is not None]
     if errors:
-        for started in results:
-            if isinstance(started, Generation):
-                await started.close()
+        await _close_all(tasks)
         raise errors[0]
-    return list(results)
+    return [task.result() for task in tasks]
+
+
+async def _close_all(tasks: list[asyncio.Future]) -> None:
+    """Cancel the starts still waiting (each aborts its engine request) and close the generations already started."""
+    for task in tasks:
+        task.cancel()
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                await task.result().close()
 
 
 async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, object]]:

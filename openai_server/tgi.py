@@ -79,10 +79,12 @@ class TGIHandler:
         if stream and body.parameters.decoder_input_details:
             raise bad_request("decoder_input_details == True is not supported when streaming tokens")
         state.metrics.requests.labels("generate_stream" if stream else "generate", state.metrics.label(lora)).inc()
-        generations = await start_all(
+        generations = await unless_disconnected(request, start_all(
             state.engine, [body.inputs], _params(body), lora, [f"generate-{uuid.uuid4().hex}"],
             [state.metrics.tracker(lora)],
-        )
+        ))
+        if generations is None:  # the client went away while its requests were queued
+            return Response(status_code=499)
         if stream:
             return sse_response(self._events(body, generations), lambda: abort_all(generations))
         response = await unless_disconnected(request, self._whole(body, generations))
