@@ -64,7 +64,9 @@ def paged_attention_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pad = torch.arange(length, device=q.device)[None, :] >= context_lens[:, None]
     scores.masked_fill_(pad[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("bkgl,blkd->bkgd", probs, values.float())
+    # past a sequence's context, the blocks hold another's (or a freed) values, maybe inf or NaN: 0 * NaN is NaN
+    values = values.float().masked_fill(pad[:, :, None, None], 0.0)
+    out = torch.einsum("bkgl,blkd->bkgd", probs, values)
     return out.reshape(batch, heads, dim).to(q.dtype)
 
 

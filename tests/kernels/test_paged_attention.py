@@ -232,3 +232,17 @@ def test_backend_switch_rejects_unknown_names(monkeypatch):
     tables = torch.tensor([[0]], device=DEVICE)
     with pytest.raises(ValueError, match="LORASERVE_ATTENTION_BACKEND"):
         decode_attention(q, k_cache, v_cache, tables, torch.tensor([4], device=DEVICE), 0.3)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_torch_decode_ignores_whatever_lies_past_each_context(poison):
+    """Blocks past a sequence's context hold other sequences' or freed values: a NaN there (one request's bad
+    adapter) must not reach any other sequence's output."""
+    q, k_cache, v_cache, tables, lens = _case(7, 4, 2, [5, 21, 16], 3, torch.float32)
+    clean = torch_decode(q, k_cache, v_cache, tables, lens, 0.3)
+    for cache in (k_cache, v_cache):
+        cache[-1] = poison  # the scratch block the unused table entries point at
+        for row, length in enumerate(lens.tolist()):
+            if length % BLOCK_SIZE:
+                cache[tables[row, length // BLOCK_SIZE], length % BLOCK_SIZE:] = poison
+    torch.testing.assert_close(torch_decode(q, k_cache, v_cache, tables, lens, 0.3), clean, rtol=0, atol=0)
