@@ -1,8 +1,8 @@
 """Turns one step's logits into one token per sequence, with vLLM's sampling semantics.
 
-Order (as in vLLM's V0 sampler): logprobs are taken from the raw logits; then logit_bias, min_tokens,
-repetition penalty, frequency/presence penalties; then greedy argmax, or temperature, top-k,
-top-p, min-p and a draw. A seeded sequence draws its noise only from its own generator, so its
+Order (as in vLLM's V1 sampler): logprobs are taken from the raw logits; then allowed_token_ids, bad_words,
+logit_bias, min_tokens, repetition penalty, frequency/presence penalties; then greedy argmax, or temperature,
+min-p, top-k, top-p and a draw. A seeded sequence draws its noise only from its own generator, so its
 tokens do not depend on what else is in the batch.
 """
 from __future__ import annotations
@@ -216,12 +216,11 @@ class Sampler:
         logits[indices] = logits[indices].masked_fill(~allowed, float("-inf"))
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
-        """Until min_tokens are out, the tokens that would end the sequence cannot be drawn."""
+        """Until min_tokens are out, the tokens that would end the sequence cannot be drawn: the stop tokens, and the
+        end-of-sequence ones even under ignore_eos (as vLLM bans them)."""
         banned = []
         for i, row in zip(indices, rows):
-            ending = set(row.params.stop_token_ids)
-            if not row.params.ignore_eos:
-                ending |= self.eos_token_ids
+            ending = set(row.params.stop_token_ids) | self.eos_token_ids
             banned.extend((i, token_id) for token_id in ending if token_id < self.vocab_size)
         _ban(logits, banned)
 
@@ -259,12 +258,13 @@ class Sampler:
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
         temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
-        logits = _top_k(logits / temperature, rows, logits.shape[-1])
-        probs = _top_p(logits.softmax(dim=-1), rows)
-        if any(r.params.min_p > 0 for r in rows):
+        logits = logits / temperature
+        if any(r.params.min_p > 0 for r in rows):  # before top-k and top-p, as in vLLM's V1 sampler
             min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
-            threshold = min_p * probs.max(dim=-1, keepdim=True).values
-            probs = probs.masked_fill(probs < threshold, 0.0)
+            probs = logits.softmax(dim=-1)
+            logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+        logits = _top_k(logits, rows, logits.shape[-1])
+        probs = _top_p(logits.softmax(dim=-1), rows)
         return _exponential_race(probs, [r.generator for r in rows])
 
     # -- reporting -----------------------------------------------------------------------

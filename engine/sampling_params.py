@@ -58,6 +58,8 @@ class SamplingParams:
         _check_float("min_p", self.min_p)
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if self.seed is not None:
             _check_int("seed", self.seed)
         for name in ("presence_penalty", "frequency_penalty"):
@@ -130,9 +132,11 @@ def _check_int(name: str, value: object, minimum: int | None = None) -> None:
         raise ValueError(f"{name} must be at least {minimum}, got {value}.")
 
 
-def _check_float(name: str, value: object) -> None:
+def _check_float(name: str, value: object, finite: bool = True) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}.")
+    if finite and math.isinf(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}.")
 
 
 def _normalize_stop(stop: str | list[str] | None) -> list[str]:
@@ -184,6 +188,6 @@ def _normalize_logit_bias(logit_bias: dict | None) -> dict[int, float] | None:
         token_id = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() else key
         if isinstance(token_id, bool) or not isinstance(token_id, int) or token_id < 0:
             raise ValueError(f"logit_bias keys must be non-negative token ids, got {key!r}.")
-        _check_float("logit_bias", value)
+        _check_float("logit_bias", value, finite=False)
         normalized[token_id] = float(value)
     return normalized

@@ -134,6 +134,14 @@ def test_min_p_drops_tokens_below_a_fraction_of_the_most_likely():
     assert torch.allclose(freq[:2], torch.tensor([4 / 7, 3 / 7]), atol=0.015)
 
 
+def test_min_p_applies_before_top_p_as_in_vllms_v1_sampler():
+    """0.5/0.3/0.2: min_p 0.5 (a threshold of 0.25) keeps the first two, renormalised to 0.625/0.375, of which top_p
+    0.6 keeps the first alone. Top-p first would keep the first two (0.5 < 0.6), and min-p then both."""
+    probs = torch.tensor([0.5, 0.3, 0.2])
+    freq = frequencies(probs.log(), SamplingParams(min_p=0.5, top_p=0.6))
+    assert freq.tolist() == [1.0, 0.0, 0.0]
+
+
 def test_greedy_rows_are_unaffected_by_random_rows_in_the_batch():
     logits = random_logits(6, seed=3)
     rows = [row(temperature=0.0) if i % 2 == 0 else row(temperature=1.0) for i in range(6)]
@@ -263,7 +271,8 @@ def test_an_infinite_logit_bias_forces_its_token_when_sampling_too():
         assert sample(logits, [row(logit_bias={3: float("inf"), 4: float("inf")}, **params)])[0].token_id in {3, 4}
 
 
-def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
+def test_min_tokens_masks_eos_and_stop_token_ids_until_reached_even_under_ignore_eos():
+    """As vLLM: ignore_eos lets EOS be drawn without ending the sequence, but not before min_tokens."""
     logits = torch.zeros(3, 6)
     rows = [
         row(output=[4], min_tokens=2, stop_token_ids=[5]),
@@ -274,7 +283,7 @@ def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     inf = float("-inf")
     assert torch.equal(out[0], torch.tensor([0, 0, inf, 0, 0, inf]))
     assert torch.equal(out[1], torch.zeros(6))
-    assert torch.equal(out[2], torch.tensor([0, 0, 0, 0, 0, inf]))
+    assert torch.equal(out[2], torch.tensor([0, 0, inf, 0, 0, inf]))
 
 
 def test_min_tokens_keeps_greedy_off_eos():

@@ -112,3 +112,19 @@ def test_sampling_type_random_and_seeded():
 def test_vllm_extras_are_validated(field, value, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "repetition_penalty", "presence_penalty", "min_p"])
+def test_infinite_values_are_refused(field):
+    with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+        SamplingParams(**{field: float("inf")})
+
+
+def test_infinite_logit_bias_bans_or_forces_a_token():
+    assert SamplingParams(logit_bias={3: float("-inf"), 4: float("inf")}).logit_bias == {3: float("-inf"), 4: float("inf")}
+
+
+def test_seed_minus_one_means_no_seed():
+    """vLLM's convention: each such request draws afresh."""
+    params = SamplingParams(temperature=0.8, seed=-1)
+    assert params.seed is None and params.sampling_type == SamplingType.RANDOM
