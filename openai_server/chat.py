@@ -81,11 +81,13 @@ class ChatHandler:
 
     async def _stream(self, body, generations, request_id, model, created, top_logprobs) -> AsyncIterator[dict]:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage)
+        final = generations[0].last
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+        def chunk(choices: list[dict], last_usage: dict | None = None) -> dict:
             event = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
             if include_usage:
-                event["usage"] = usage
+                event["usage"] = last_usage or (usage([final]) if continuous_usage else None)
             return event
 
         for index in range(body.n):
@@ -93,7 +95,6 @@ class ChatHandler:
         sent_text: dict[int, int] = {}
         sent_tokens: dict[int, int] = {}
         finished: set[int] = set()
-        final = generations[0].last
         async for _, output in merge(generations):
             final = output
             for completion in output.outputs:

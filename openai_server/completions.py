@@ -85,13 +85,14 @@ class CompletionHandler:
     async def _stream(self, body, prompts, generations, request_id, model, created) -> AsyncIterator[dict]:
         fmt = self.state.logprobs
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage)
         progress: dict[int, _ChoiceProgress] = {}
         finals = [generation.last for generation in generations]
 
-        def chunk(choices: list[dict], usage: dict | None = None) -> dict:
+        def chunk(choices: list[dict], last_usage: dict | None = None) -> dict:
             event = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
             if include_usage:
-                event["usage"] = usage
+                event["usage"] = last_usage or (usage(finals) if continuous_usage else None)
             return event
 
         async for prompt_index, output in merge(generations):

@@ -23,6 +23,11 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class SamplingFields(_Body):

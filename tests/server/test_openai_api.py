@@ -79,6 +79,22 @@ def test_include_usage_adds_one_final_usage_chunk(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, kind):
+    """vLLM's `stream_options.continuous_usage_stats`, with include_usage."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(model="alpha", messages=MESSAGES, stream=True,
+                                                     stream_options=options, **GREEDY))
+    else:
+        chunks = list(client.completions.create(model="alpha", prompt=PROMPT, stream=True, stream_options=options,
+                                                **GREEDY))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
 def test_completion_logprobs_have_completion_shape(client):
     response = client.completions.create(model="alpha", prompt=PROMPT, logprobs=3, **GREEDY)
     logprobs = response.choices[0].logprobs
