@@ -11,8 +11,8 @@ import threading
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import Future
-from typing import Any
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +23,7 @@ from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger("loraserve.engine")
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -32,6 +33,7 @@ class AsyncEngine:
         self._wakeup = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = False
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraserve-tokenizer")
         self._thread = threading.Thread(target=self._loop, name="loraserve-engine", daemon=True)
         self._thread.start()
 
@@ -80,9 +82,12 @@ class AsyncEngine:
         request_id = request_id or uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            prompt = await self.run_tokenizer(lambda: self.engine.tokenize(text))
 
         def add() -> None:
-            self.engine.add_request(prompt, sampling_params, lora_request, request_id)
+            self.engine.add_request(prompt, sampling_params, lora_request, request_id, prompt_text=text)
             self._streams[request_id] = (loop, queue)
 
         finished = False
@@ -98,6 +103,11 @@ class AsyncEngine:
             if not finished:
                 self._submit(lambda: self._abort(request_id))
 
+    async def run_tokenizer(self, fn: Callable[[], T]) -> T:
+        """Run tokenizer work (a prompt's encoding, a chat template) on the tokenizer thread, as vLLM tokenizes in a
+        thread of its own: a long prompt then holds up neither the event loop nor the steps of running requests."""
+        return await asyncio.wrap_future(self._tokenizer_thread.submit(fn))
+
     async def abort(self, request_id: str) -> None:
         await asyncio.wrap_future(self._submit(lambda: self._abort(request_id)))
 
@@ -112,6 +122,7 @@ class AsyncEngine:
             self._stopped = True
             self._wakeup.notify()
         self._thread.join(timeout=30)
+        self._tokenizer_thread.shutdown(wait=False)
         self.engine.close()
 
     # ---- the engine thread ----------------------------------------------------------------

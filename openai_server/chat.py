@@ -4,6 +4,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -28,14 +29,15 @@ class ChatHandler:
         state.metrics.requests.labels("chat", state.metrics.label(lora)).inc()
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         check_logprobs(top_logprobs, state.settings.max_logprobs, "top_logprobs")
-        prompt_ids = render_chat(
+        prompt_ids = await state.engine.run_tokenizer(partial(
+            render_chat,
             state.tokenizer,
             [message.as_template_input() for message in body.messages],
             chat_template=state.settings.chat_template,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             template_kwargs=body.chat_template_kwargs,
-        )
+        ))
         # no max_tokens: the engine allows what the context window (after truncate_prompt_tokens) and cache hold
         params = sampling_params(body, max_tokens=body.requested_max_tokens(), logprobs=top_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
