@@ -4,20 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LoRARequest, SamplingParams
+from engine import SamplingParams
 from engine.sequence import SequenceStatus
 from tests.engine.conftest import make_engine, run_to_completion
-from tests.tiny_models import make_peft_adapter
 
 SHORT = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LONG = SamplingParams(temperature=0, max_tokens=72, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def adapters(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("suspension-adapters")
-    return [LoRARequest(f"adapter-{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"adapter-{i}", r=4, seed=i)))
-            for i in range(3)]
+def adapters(rank4_adapters):
+    return rank4_adapters
 
 
 def one_slot_engine(tiny_llama, adapters, admission_order="balanced", suspend_margin=32, **overrides):
