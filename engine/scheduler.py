@@ -12,9 +12,9 @@ adapters that fill the slots and the batch together. On the H200's workload (d) 
 of 909-910, at 4724-4847 tok/s against 4393-4628 (BENCHMARKS.md, eighteenth session); with two other seeds'
 Zipf picks, 784 and 795 steps where it had run 909 and 914 before its reads ahead followed its order
 (nineteenth session). The offline `LLM` admits so by default; the engine and the server keep arrival order,
-which online clients see as fairness. Balanced admission also suspends: with every slot busy, an adapter whose
-sequences are near their end yields its slot to a waiting adapter with far more work left, and its sequences
-keep their KV blocks to resume later (`_suspension`).
+which online clients see as fairness. Given a `suspend_margin`, balanced admission also suspends: with every slot
+busy, an adapter whose sequences are near their end yields its slot to a waiting adapter with far more work left,
+and its sequences keep their KV blocks to resume later (`_suspension`; off by default, see BENCHMARKS.md).
 """
 from __future__ import annotations
 
