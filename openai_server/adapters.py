@@ -107,7 +107,7 @@ class AdapterService:
                 "base_model_name": entry.base_model_name or self.base_name,
                 "rank": entry.rank,
                 "target_modules": entry.target_modules,
-                "residency": "gpu" if slot is not None else "cpu" if in_cpu else "disk",
+                "residency": "slot" if slot is not None else "host" if in_cpu else "disk",
                 "slot": slot,
                 "running_requests": residency.running if residency else 0,
                 "loaded_at": entry.loaded_at,

@@ -32,7 +32,7 @@ def test_lora_adapters_reports_rank_modules_residency_and_load_time(http):
     beta = _adapter(http, "beta")
     assert beta["rank"] == 6
     assert set(beta["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
-    assert beta["residency"] in {"gpu", "cpu", "disk"}
+    assert beta["residency"] == "slot"  # it just ran: its slot still holds it (not "gpu": this server has none)
     assert beta["running_requests"] == 0
     assert beta["load_seconds"] >= 0 and beta["loaded_at"] > 0
 
