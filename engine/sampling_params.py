@@ -5,8 +5,10 @@ import math
 from dataclasses import dataclass
 from enum import IntEnum
 
-# Temperatures below this are treated as greedy (as in vLLM): dividing by them is numerically meaningless.
+# Temperature 0 is greedy; temperatures between 0 and MIN_TEMPERATURE are raised to it, as vLLM raises them (logits
+# divided by less overflow the float range), so only 0 is below SAMPLING_EPS.
 SAMPLING_EPS = 1e-5
+MIN_TEMPERATURE = 1e-2
 
 
 class SamplingType(IntEnum):
@@ -49,6 +51,8 @@ class SamplingParams:
         _check_float("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE
         _check_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")

@@ -87,8 +87,10 @@ def test_zero_temperature_is_greedy_and_turns_truncation_off():
     assert (p.top_p, p.top_k, p.min_p) == (1.0, 0, 0.0)
 
 
-def test_tiny_temperature_counts_as_greedy():
-    assert SamplingParams(temperature=1e-6).is_greedy
+@pytest.mark.parametrize("temperature", [1e-6, 1e-3])
+def test_a_tiny_temperature_is_raised_to_a_hundredth_as_in_vllm(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.temperature == 0.01 and not params.is_greedy
 
 
 def test_sampling_type_random_and_seeded():
