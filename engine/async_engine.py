@@ -20,7 +20,7 @@ from .config import EngineConfig
 from .llm_engine import EngineStats, LLMEngine
 from .lora_request import LoRARequest
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, bad_words_token_ids
 
 logger = logging.getLogger("loraserve.engine")
 T = TypeVar("T")
@@ -83,11 +83,16 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         text = prompt if isinstance(prompt, str) else None
-        if text is not None:
-            prompt = await self.run_tokenizer(lambda: self.engine.tokenize(text))
+        bad_words = sampling_params.bad_words if sampling_params is not None else []
+        bad_word_ids = None
+        if text is not None or bad_words:
+            prompt, bad_word_ids = await self.run_tokenizer(lambda: (
+                self.engine.tokenize(text) if text is not None else prompt,
+                bad_words_token_ids(bad_words, self.engine.tokenizer)))
 
         def add() -> None:
-            self.engine.add_request(prompt, sampling_params, lora_request, request_id, prompt_text=text)
+            self.engine.add_request(prompt, sampling_params, lora_request, request_id, prompt_text=text,
+                                    bad_word_ids=bad_word_ids)
             self._streams[request_id] = (loop, queue)
 
         finished = False

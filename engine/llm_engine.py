@@ -254,10 +254,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None, request_id: str | None = None,
-                    stop_at_context_end: bool = False, prompt_text: str | None = None) -> str:
+                    stop_at_context_end: bool = False, prompt_text: str | None = None,
+                    bad_word_ids: list[list[int]] | None = None) -> str:
         """stop_at_context_end: a prompt whose max_tokens reach past the context window stops at its end (vLLM's
         offline engine) rather than being refused (its OpenAI server). prompt_text: the text token ids were
-        rendered from (a chat template's), reported as the outputs' prompt."""
+        rendered from (a chat template's), reported as the outputs' prompt. bad_word_ids: params.bad_words
+        tokenized by the caller (`bad_words_token_ids`), off the engine thread."""
         params = params or SamplingParams()
         if request_id is None:
             request_id = str(next(self._request_ids))
@@ -275,7 +277,7 @@ class LLMEngine:
         elif stop_at_context_end and 0 < context_room < params.max_tokens:
             params = _with_max_tokens(params, context_room)
         self._check_prompt(token_ids, params)
-        bad_words = bad_words_token_ids(params.bad_words, self.tokenizer)
+        bad_words = bad_word_ids if bad_word_ids is not None else bad_words_token_ids(params.bad_words, self.tokenizer)
         self.sampler.validate(params, bad_words)
         if lora_request is not None:
             if self.lora_manager is None:

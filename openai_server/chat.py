@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from .chat_template import render_chat
 from .errors import bad_request
-from .generation import Generation, abort_all, merge, start_all, usage
+from .generation import Generation, abort_all, merge, start_all, usage, usage_of
 from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
 from .protocol import ChatCompletionRequest
 from .sampling import check_logprobs, sampling_params
@@ -85,11 +85,13 @@ class ChatHandler:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         continuous_usage = bool(body.stream_options and body.stream_options.continuous_usage)
         final = generations[0].last
+        prompt_tokens = len(final.prompt_token_ids)
 
-        def chunk(choices: list[dict], last_usage: dict | None = None) -> dict:
+        def chunk(choices: list[dict], completion_tokens: int = 0) -> dict:
+            """completion_tokens: the chunk's choice's tokens so far, for continuous usage stats (as vLLM counts)."""
             event = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
             if include_usage:
-                event["usage"] = last_usage or (usage([final]) if continuous_usage else None)
+                event["usage"] = usage_of(prompt_tokens, completion_tokens) if continuous_usage else None
             return event
 
         for index in range(body.n):
@@ -118,6 +120,6 @@ class ChatHandler:
                     "logprobs": self._logprobs(completion, start, top_logprobs),
                     "finish_reason": completion.finish_reason,
                     "stop_reason": completion.stop_reason,
-                }])
+                }], len(completion.token_ids))
         if include_usage:
-            yield chunk([], usage([final]))
+            yield {**chunk([]), "usage": usage([final])}

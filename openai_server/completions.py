@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .generation import Generation, abort_all, merge, start_all, usage
+from .generation import Generation, abort_all, merge, start_all, usage, usage_of
 from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
 from .protocol import CompletionRequest
 from .sampling import check_logprobs, sampling_params
@@ -54,8 +54,12 @@ class CompletionHandler:
         response = await unless_disconnected(request, self._whole(body, prompts, generations, request_id, model, created))
         return JSONResponse(response) if response is not None else Response(status_code=499)
 
-    def _prompt_text(self, prompt: str | list[int]) -> str:
-        return prompt if isinstance(prompt, str) else self.state.tokenizer.decode(prompt)
+    def _echo(self, body, prompt: str | list[int], output) -> str:
+        """The prompt as echoed: its text, or the tokens the engine ran decoded (token ids, or a prompt cut by
+        truncate_prompt_tokens, so that the echoed logprobs' offsets point into it)."""
+        if isinstance(prompt, str) and body.truncate_prompt_tokens is None:
+            return prompt
+        return self.state.tokenizer.decode(output.prompt_token_ids)
 
     async def _whole(self, body, prompts, generations: list[Generation], request_id, model, created) -> dict:
         finals = [generation.last for generation in generations]
@@ -67,7 +71,7 @@ class CompletionHandler:
             for completion in output.outputs:
                 text, token_ids, positions = completion.text, completion.token_ids, completion.logprobs
                 if body.echo:
-                    text = self._prompt_text(prompts[prompt_index]) + text
+                    text = self._echo(body, prompts[prompt_index], output) + text
                     token_ids = output.prompt_token_ids + token_ids
                     positions = (output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + (positions or [])
                 choices.append({
@@ -89,10 +93,11 @@ class CompletionHandler:
         progress: dict[int, _ChoiceProgress] = {}
         finals = [generation.last for generation in generations]
 
-        def chunk(choices: list[dict], last_usage: dict | None = None) -> dict:
+        def chunk(choices: list[dict], so_far: dict | None = None) -> dict:
+            """so_far: the chunk's choice's usage so far, for continuous usage stats (as vLLM counts)."""
             event = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": choices}
             if include_usage:
-                event["usage"] = last_usage or (usage(finals) if continuous_usage else None)
+                event["usage"] = so_far if continuous_usage else None
             return event
 
         async for prompt_index, output in merge(generations):
@@ -106,7 +111,7 @@ class CompletionHandler:
                 token_ids = completion.token_ids[choice.num_tokens:]
                 positions = (completion.logprobs or [])[choice.num_tokens:]
                 if body.echo and not choice.started:
-                    text = self._prompt_text(prompts[prompt_index]) + text
+                    text = self._echo(body, prompts[prompt_index], output) + text
                     token_ids = output.prompt_token_ids + token_ids
                     positions = (output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + positions
                 reports_tokens = body.logprobs is not None and bool(token_ids)
@@ -123,7 +128,7 @@ class CompletionHandler:
                 yield chunk([{
                     "index": index, "text": text, "logprobs": logprobs,
                     "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason,
-                }])
+                }], usage_of(len(output.prompt_token_ids), len(completion.token_ids)))
         if include_usage:
-            yield chunk([], usage(finals))
+            yield {**chunk([]), "usage": usage(finals)}
 

@@ -82,9 +82,12 @@ def _num_generated(output) -> int:
 
 def usage(finals: list) -> dict:
     """OpenAI's usage object over the final outputs of one HTTP request's engine requests."""
-    prompt = sum(len(out.prompt_token_ids) for out in finals)
-    completion = sum(_num_generated(out) for out in finals)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return usage_of(sum(len(out.prompt_token_ids) for out in finals), sum(_num_generated(out) for out in finals))
+
+
+def usage_of(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
 
 
 async def _abort(engine, request_id: str) -> None:

@@ -91,8 +91,24 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, kind
                                                 **GREEDY))
     counts = [c.usage.completion_tokens for c in chunks]
     assert all(c.usage is not None and c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
-    assert counts == sorted(counts) and counts[-1] == 12 and counts[0] < 12
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert counts[0] == 0 if kind == "chat" else counts[0] > 0  # chat's role chunk has no tokens yet
     assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+
+
+@pytest.mark.parametrize("kind", ["completions", "chat"])
+def test_continuous_usage_with_n_choices_counts_each_chunks_own_choice(client, kind):
+    """As vLLM: each chunk reports its own choice's tokens so far; the final usage chunk has the total."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    if kind == "chat":
+        chunks = list(client.chat.completions.create(model="alpha", messages=MESSAGES, stream=True, n=2,
+                                                     stream_options=options, **GREEDY))
+    else:
+        chunks = list(client.completions.create(model="alpha", prompt=PROMPT, stream=True, n=2,
+                                                stream_options=options, **GREEDY))
+    content = [c for c in chunks if c.choices]
+    assert max(c.usage.completion_tokens for c in content) == 12
+    assert chunks[-1].usage.completion_tokens == 24
 
 
 def test_completion_logprobs_have_completion_shape(client):
@@ -214,6 +230,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens_of_the_prompt(client, http
 def test_truncate_prompt_tokens_fits_a_long_prompt_into_the_context_window(client):
     response = client.completions.create(model="alpha", prompt="x" * 600, **_with_extra(truncate_prompt_tokens=100))
     assert response.usage.prompt_tokens == 100
+
+
+def test_echo_with_truncate_prompt_tokens_echoes_the_tokens_kept(client):
+    """The echoed prompt is what the engine ran, so every logprob's text offset points at its token in the text."""
+    choice = client.completions.create(model="alpha", prompt=PROMPT, echo=True, logprobs=0,
+                                       **_with_extra(truncate_prompt_tokens=2)).choices[0]
+    logprobs = choice.logprobs
+    assert logprobs.token_logprobs[0] is None and len(logprobs.tokens) == 2 + GREEDY["max_tokens"]
+    prompt = list(zip(logprobs.tokens, logprobs.text_offset))[:2]
+    assert all(choice.text[offset:offset + len(token)] == token for token, offset in prompt)
 
 
 def test_allowed_token_ids_bound_the_completion(client):

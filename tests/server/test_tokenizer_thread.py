@@ -6,15 +6,16 @@ import threading
 
 import pytest
 
+import engine.async_engine as engine_async
 import openai_server.chat
 
 
 @pytest.fixture
 def tokenizing_threads(server, monkeypatch) -> list[str]:
-    """The names of the threads that tokenize prompts and render chat templates, while the fixture lasts."""
+    """The names of the threads that tokenize prompts and bad words and render chat templates, while the fixture
+    lasts."""
     names: list[str] = []
     engine = server.engine.engine
-    tokenize, render = engine.tokenize, openai_server.chat.render_chat
 
     def recorded(fn):
         def run(*args, **kwargs):
@@ -22,8 +23,9 @@ def tokenizing_threads(server, monkeypatch) -> list[str]:
             return fn(*args, **kwargs)
         return run
 
-    monkeypatch.setattr(engine, "tokenize", recorded(tokenize))
-    monkeypatch.setattr(openai_server.chat, "render_chat", recorded(render))
+    monkeypatch.setattr(engine, "tokenize", recorded(engine.tokenize))
+    monkeypatch.setattr(openai_server.chat, "render_chat", recorded(openai_server.chat.render_chat))
+    monkeypatch.setattr(engine_async, "bad_words_token_ids", recorded(engine_async.bad_words_token_ids))
     return names
 
 
@@ -34,4 +36,11 @@ def tokenizing_threads(server, monkeypatch) -> list[str]:
 ], ids=["completions", "chat", "tgi"])
 def test_prompts_are_tokenized_on_the_tokenizer_thread(http, tokenizing_threads, route, body):
     assert http.post(route, json=body).status_code == 200
+    assert tokenizing_threads and all(name.startswith("loraserve-tokenizer") for name in tokenizing_threads)
+
+
+def test_bad_words_are_tokenized_on_the_tokenizer_thread(http, tokenizing_threads):
+    """Tens of thousands of bad words took seconds of the engine thread, stalling every stream."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "bad_words": ["hello", "world"]}
+    assert http.post("/v1/completions", json=body).status_code == 200
     assert tokenizing_threads and all(name.startswith("loraserve-tokenizer") for name in tokenizing_threads)
