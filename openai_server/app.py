@@ -28,6 +28,7 @@ from .metrics import ServerMetrics
 from .protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from .state import ServerSettings, ServerState
 from .tgi import TGIHandler
+from .tokenize import TokenizeHandlers
 
 logger = logging.getLogger("loraserve.server")
 
@@ -58,6 +59,7 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
         logprobs=LogprobFormatter(engine.tokenizer),
     )
     version = server_version()
+    tokenize = TokenizeHandlers(state)
 
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": adapters.model_cards()})
@@ -89,6 +91,8 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
         Route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"]),
         Route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"]),
         Route("/v1/lora_adapters", lora_adapters, methods=["GET"]),
+        Route("/tokenize", tokenize.tokenize, methods=["POST"]),
+        Route("/detokenize", tokenize.detokenize, methods=["POST"]),
         Route("/generate", TGIHandler(state, stream=False).handle, methods=["POST"]),
         Route("/generate_stream", TGIHandler(state, stream=True).handle, methods=["POST"]),
         Route("/", TGIHandler(state, stream=None).handle, methods=["POST"]),

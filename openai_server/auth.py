@@ -1,4 +1,4 @@
-"""Bearer-token auth for the API routes (`/v1/*` and TGI's); health, metrics and version stay open."""
+"""Bearer-token auth for the API routes (`/v1/*`, TGI's, the tokenizer's); health, metrics and version stay open."""
 from __future__ import annotations
 
 import hmac
@@ -10,10 +10,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from .errors import error_body
 
 TGI_PATHS = ("/", "/generate", "/generate_stream")
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 
 
 def is_protected(path: str) -> bool:
-    return path == "/v1" or path.startswith("/v1/") or path in TGI_PATHS
+    return path == "/v1" or path.startswith("/v1/") or path in TGI_PATHS or path in TOKENIZER_PATHS
 
 
 class APIKeyMiddleware:

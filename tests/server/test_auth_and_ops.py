@@ -40,7 +40,8 @@ def test_every_served_name_is_listed_and_reaches_the_base(locked_server):
     assert response.model == SERVED_NAMES[1]
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/generate", "/generate_stream",
+                                  "/tokenize", "/detokenize"])
 def test_api_routes_need_the_key(locked, path):
     assert locked.post(path, json={}).status_code == 401
 
