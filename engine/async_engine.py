@@ -62,6 +62,10 @@ class AsyncEngine:
     def dtype(self) -> torch.dtype:
         return self.engine.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
     def stats(self) -> EngineStats:
         return self.call(self.engine.stats)
 

@@ -84,6 +84,16 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
     async def version_info(_: Request) -> Response:
         return JSONResponse({"version": version})
 
+    async def tgi_info(_: Request) -> Response:
+        """TGI's GET /info: what its clients read to size their requests."""
+        return JSONResponse({
+            "model_id": adapters.base_name, "model_dtype": str(engine.dtype).removeprefix("torch."),
+            "model_device_type": engine.device.type, "model_pipeline_tag": "text-generation",
+            "max_concurrent_requests": engine.config.max_num_seqs, "max_best_of": 1,
+            "max_input_tokens": engine.max_model_len - 1, "max_total_tokens": engine.max_model_len,
+            "router": "loraserve", "version": version,
+        })
+
     routes = [
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/completions", CompletionHandler(state).handle, methods=["POST"]),
@@ -99,6 +109,7 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/version", version_info, methods=["GET"]),
+        Route("/info", tgi_info, methods=["GET"]),
     ]
     middleware = [Middleware(APIKeyMiddleware, api_key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=_exception_handlers())

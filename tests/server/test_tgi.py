@@ -115,6 +115,13 @@ def test_generate_truncate_keeps_the_last_input_tokens(http):
     assert len(details["prefill"]) == 2
 
 
+def test_info_gives_the_model_and_its_token_limits(http):
+    info = http.get("/info").json()
+    assert info["model_id"] == http.get("/v1/models").json()["data"][0]["id"]
+    assert (info["max_input_tokens"], info["max_total_tokens"]) == (511, 512)
+    assert info["model_dtype"] == "float32" and info["model_device_type"] == "cpu"
+
+
 def test_generate_unknown_adapter_is_404_in_tgi_shape(http):
     response = http.post("/generate", json={"inputs": INPUTS, "parameters": {"adapter_id": "nope"}})
     assert response.status_code == 404
