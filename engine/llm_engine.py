@@ -322,7 +322,7 @@ class LLMEngine:
         if self.lora_manager is None:
             raise ValueError("LoRA is not enabled; start the engine with enable_lora=True")
         int_id = lora_request.lora_int_id
-        if int_id in self.lora_manager.removed and any(r.lora_int_id == int_id for r in self.requests.values()):
+        if int_id in self.lora_manager.removed and self._adapter_in_use(int_id):
             raise ValueError(f"lora_int_id {int_id} was unloaded, and requests still use its old weights; add the "
                              f"adapter under another id")
         self.lora_manager.add(lora_request, adapter)
@@ -335,9 +335,12 @@ class LLMEngine:
     def _release_unloaded_adapter(self, request: Request) -> None:
         """An unloaded adapter's last request ended: its slot and host copy (or a read still landing) go now."""
         int_id = request.lora_int_id
-        if int_id and int_id in self.lora_manager.removed \
-                and not any(other.lora_int_id == int_id for other in self.requests.values()):
+        if int_id and int_id in self.lora_manager.removed and not self._adapter_in_use(int_id):
             self.lora_manager.release(int_id)
+
+    def _adapter_in_use(self, lora_int_id: int) -> bool:
+        """Whether a request not yet finished (queued or running) is for this adapter."""
+        return any(request.lora_int_id == lora_int_id for request in self.requests.values())
 
     def abort(self, request_id: str) -> RequestOutput | None:
         request = self.requests.pop(request_id, None)

@@ -13,9 +13,23 @@ from .chat_template import render_chat
 from .errors import bad_request
 from .generation import Generation, abort_all, merge, start_all, usage, usage_of
 from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
-from .protocol import ChatCompletionRequest
+from .protocol import ChatCompletionRequest, TokenizeRequest
 from .sampling import check_logprobs, sampling_params
 from .state import ServerState
+
+
+async def render_messages(state: ServerState, body: ChatCompletionRequest | TokenizeRequest) -> list[int]:
+    """A request's messages through the chat template as prompt tokens, on the tokenizer thread: chat completions
+    and /tokenize count them the same."""
+    return await state.engine.run_tokenizer(partial(
+        render_chat,
+        state.tokenizer,
+        [message.as_template_input() for message in body.messages],
+        chat_template=state.settings.chat_template,
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
+    ))
 
 
 class ChatHandler:
@@ -29,15 +43,7 @@ class ChatHandler:
         state.metrics.requests.labels("chat", state.metrics.label(lora)).inc()
         top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         check_logprobs(top_logprobs, state.settings.max_logprobs, "top_logprobs")
-        prompt_ids = await state.engine.run_tokenizer(partial(
-            render_chat,
-            state.tokenizer,
-            [message.as_template_input() for message in body.messages],
-            chat_template=state.settings.chat_template,
-            add_generation_prompt=body.add_generation_prompt,
-            continue_final_message=body.continue_final_message,
-            template_kwargs=body.chat_template_kwargs,
-        ))
+        prompt_ids = await render_messages(state, body)
         # no max_tokens: the engine allows what the context window (after truncate_prompt_tokens) and cache hold
         params = sampling_params(body, max_tokens=body.requested_max_tokens(), logprobs=top_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"

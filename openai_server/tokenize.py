@@ -1,12 +1,10 @@
 """vLLM's POST /tokenize and POST /detokenize: the served model's tokenizer (adapters share it), off the event loop."""
 from __future__ import annotations
 
-from functools import partial
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .chat_template import render_chat
+from .chat import render_messages
 from .errors import bad_request
 from .httputil import parse_body
 from .protocol import DetokenizeRequest, TokenizeRequest
@@ -23,11 +21,7 @@ class TokenizeHandlers:
         state.adapters.resolve(body.model)  # an unknown model is a 404, as everywhere
         tokenizer = state.tokenizer
         if body.messages is not None:
-            tokens = await state.engine.run_tokenizer(partial(
-                render_chat, tokenizer, [message.as_template_input() for message in body.messages],
-                chat_template=state.settings.chat_template, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, template_kwargs=body.chat_template_kwargs,
-            ))
+            tokens = await render_messages(state, body)
         else:
             tokens = await state.engine.run_tokenizer(
                 lambda: tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
