@@ -260,7 +260,7 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], positions: list[int], block_tables: list[list[int]],
             lora_slots: list[int], device_tokens: DeviceTokens | None = None) -> torch.Tensor:
         """Hidden states [B, hidden] of one decode token per sequence. With device_tokens, the input
-        ids are gathered from it on the device (input_ids only hold placeholders)."""
+        ids it covers are gathered from it on the device (input_ids hold placeholders for them)."""
         batch = len(input_ids)
         key = self.key(batch, lora_slots)
         size = key.bucket
@@ -273,13 +273,16 @@ class DecodeGraphs:
         rows[2, :batch] = self._tables.array[np.arange(batch), position // bs] * bs + position % bs
         rows[3, :batch] = position + 1
         rows[4, :batch] = lora_slots
-        if device_tokens is not None:
+        gather = device_tokens is not None and min(device_tokens.rows) >= 0  # every row from the device
+        if gather:
             rows[5, :batch] = device_tokens.rows
         rows[:, batch:size] = self._padding_row
         self._device_rows.copy_(self._host_rows, non_blocking=True)  # a graph reads only its bucket's columns
         self.block_tables[:size].copy_(self._host_tables[:size], non_blocking=True)
         self._copied.record()
-        if device_tokens is not None:
+        if gather:
             torch.index_select(device_tokens.tokens, 0, self.token_rows[:batch], out=self.input_ids[:batch])
+        elif device_tokens is not None:  # some rows are prompts admitted in this step
+            device_tokens.write_into(self.input_ids[:batch], list(range(batch)))
         self.graphs[key].replay()
         return self.outputs[key][:batch]

@@ -53,10 +53,10 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 @dataclass
 class InFlightStep:
-    """A greedy decode step launched but whose tokens the host has not read (async scheduling)."""
+    """A greedy step launched but whose tokens the host has not read (async scheduling)."""
 
     seqs: list[Sequence]  # one per sampled row, in order
-    tokens: PendingTokens
+    tokens: PendingTokens | None  # None when it samples for no sequence (prompt chunks only)
     rows: dict[int, int]  # seq_id -> its row in tokens
 
 
@@ -376,11 +376,12 @@ class LLMEngine:
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
         by one step.
 
-        Async scheduling: a greedy decode step is left in flight; the next step is scheduled and
-        launched first, its input ids taken on the device from the in-flight tokens, and only then
+        Async scheduling: a greedy step is left in flight; the next step is scheduled and launched
+        first, its decode rows' input ids taken on the device from the in-flight tokens, and only then
         are the in-flight tokens read back and appended. The outputs are the same, one step later; a
-        sequence that ended in the step read back had one more token computed, which is dropped.
-        Anything else first drains the step in flight and returns its outputs."""
+        sequence that ended in the step read back had one more token computed, which is dropped. When
+        the next step cannot be scheduled before the tokens are read (a running sequence may end by a
+        token while requests wait; a preemption is due), the step in flight is drained first."""
         if self._in_flight is not None:
             return self._step_after_in_flight()
         plan = self.scheduler.schedule()
@@ -390,43 +391,53 @@ class LLMEngine:
             if self.lora_manager:
                 self.lora_manager.wait_for_reads(timeout=0.1)
             return [self._output(request) for request in self._finish_detokenization().values()]
-        scheduled = sorted(plan.scheduled, key=lambda item: item.num_new_tokens != 1)  # decodes first
+        scheduled = _decodes_first(plan.scheduled)
         if self._may_leave_in_flight(scheduled):
             return self._launch_in_flight(scheduled, None)
-        slots = self._adapter_slots(scheduled)
-        result = self.runner.execute(scheduled, slots)
+        result = self.runner.execute(scheduled, self._adapter_slots(scheduled))
+        return list(self._complete(scheduled, result, {}).values())
+
+    def _complete(self, scheduled: list[ScheduledSequence], result,
+                  outputs: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
+        """A synchronous step after its forward's launch: prompt logprobs, the previous step's detokenization,
+        sampling. outputs: those built already this step (newer ones replace them)."""
         self._record_prompt_logprobs(scheduled, result)
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         logits = None
         if sampling:
             rows = [result.starts[i] + scheduled[i].num_new_tokens - 1 for i in sampling]
             logits = self.model.compute_logits(_take_rows(result.hidden, rows))
-        outputs = {request_id: self._output(request)
-                   for request_id, request in self._finish_detokenization().items()}
+        outputs.update((request_id, self._output(request))
+                       for request_id, request in self._finish_detokenization().items())
         sampled = self._sample(logits, [scheduled[i].seq for i in sampling]) if sampling else []
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         self._append_sampled([scheduled[i].seq for i in sampling], sampled, outputs)
-        return list(outputs.values())
+        return outputs
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
-        """A step may stay in flight when the next can be launched before its tokens are read: it samples a
-        token for every running sequence (decodes, or prompts that end in it) and none can be admitted
-        next (nothing waits; or the batch is full, or no waiting sequence can get an adapter slot, and no
-        running sequence can end), so the next step may be a decode of the same sequences
-        (scheduler.schedule_decode); on the fast path (CUDA graphs, or the pieces of an admitting step),
-        with plain greedy tokens (they stay plain greedy: the sequences only grow) and no prompt logprobs
-        to record (they read the step's hidden states back)."""
+        """A step may stay in flight when the next can be scheduled before its tokens are read: it covers
+        every running sequence, and nothing waits or every running sequence ends by its length alone (so
+        the host knows which ones this step ends, and admits into their room as a synchronous engine
+        would); on the fast path (CUDA graphs, or the pieces of an admitting step); the sequences it
+        samples for take plain greedy tokens (they stay plain greedy: the sequences only grow), and no
+        prompt logprobs are recorded (they read the step's hidden states back)."""
         scheduler = self.scheduler
         return (self.async_scheduling and len(scheduled) == len(scheduler.running)
-                and (not scheduler.waiting
-                     or (len(scheduled) >= scheduler.max_num_seqs or scheduler.admission_blocked())
-                     and self._batch_stays_full(unplaced=1))
+                and (not scheduler.waiting or self._endings_known())
                 and (self.runner.replays_graphs(scheduled) or self.runner.graphs is None)
-                and all(item.samples and is_plain_greedy(
-                    item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens)
+                and all((not item.samples or is_plain_greedy(
+                    item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
                     and (item.num_new_tokens == 1 or item.seq.request.params.prompt_logprobs is None)
                     for item in scheduled))
+
+    def _endings_known(self) -> bool:
+        """True when no running sequence can end but by its length (no EOS, stop token or stop string)."""
+        for seq in self.scheduler.running:
+            params = seq.request.params
+            if not params.ignore_eos or params.stop_token_ids or params.stop:
+                return False
+        return True
 
     def drain(self) -> list[RequestOutput]:
         """Read back the step in flight, if any, and return its outputs: afterwards every sequence's
@@ -436,39 +447,51 @@ class LLMEngine:
 
     def _step_after_in_flight(self) -> list[RequestOutput]:
         plan = None
-        if self.async_scheduling and (not self.scheduler.waiting or self._batch_stays_full()):  # may be off live
-            plan = self.scheduler.schedule_decode()
-        if plan is None:  # not a decode of the same sequences: drain, and schedule afresh next step
+        if self.async_scheduling:  # may be switched off live
+            scheduler = self.scheduler
+            if not scheduler.waiting or self._batch_stays_full():
+                plan = scheduler.schedule_decode()
+            if plan is None and (not scheduler.waiting or self._endings_known()) and scheduler.running_fit():
+                for seq in [seq for seq in scheduler.running if self._ends_at_length(seq)]:
+                    scheduler.retire(seq)
+                plan = scheduler.schedule()
+        if plan is None:  # drain, and schedule afresh next step
             return self.drain()
         for seq, error in plan.failed:
             self._fail(seq.request, error)
         previous, self._in_flight = self._in_flight, None
-        return self._launch_in_flight(plan.scheduled, previous)
+        if plan.empty:
+            return list(self._read_back(previous).values())
+        scheduled = _decodes_first(plan.scheduled)
+        if self._may_leave_in_flight(scheduled):
+            return self._launch_in_flight(scheduled, previous)
+        # launched before `previous` is read, then sampled here once it is
+        result = self.runner.execute(scheduled, self._adapter_slots(scheduled), _device_tokens(scheduled, previous))
+        return list(self._complete(scheduled, result, self._read_back(previous)).values())
 
-    def _batch_stays_full(self, unplaced: int = 0) -> bool:
+    def _batch_stays_full(self) -> bool:
         """True when no running sequence can end by the step in flight (by its token: no EOS, stop
         token or length; by a stop string matched when the token before is detokenized): a synchronous
-        engine would find the same running sequences here, so a full batch would admit none either.
-        unplaced: 1 when the in-flight token has no placeholder in token_ids yet."""
-        for seq in self.scheduler.running:
-            params = seq.request.params
-            length = len(seq.token_ids) + unplaced
-            if not params.ignore_eos or params.stop_token_ids or params.stop or \
-                    length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
-                return False
-        return True
+        engine would find the same running sequences here, so a full batch would admit none either."""
+        return self._endings_known() and not any(map(self._ends_at_length, self.scheduler.running))
+
+    def _ends_at_length(self, seq: Sequence) -> bool:
+        """True when the sequence's last token (a placeholder when in flight) reaches max_tokens or the context."""
+        length = len(seq.token_ids)
+        return length - seq.num_prompt_tokens >= seq.request.params.max_tokens or length >= self.max_model_len
 
     def _launch_in_flight(self, scheduled: list[ScheduledSequence],
                           previous: InFlightStep | None) -> list[RequestOutput]:
-        """Launch a greedy step, decode rows first (a decode step's inputs from `previous`'s tokens on the
-        device), then read `previous` back while the device computes it; the step stays in flight."""
-        seqs = [item.seq for item in scheduled]
-        device_tokens = None
-        if previous is not None:
-            device_tokens = DeviceTokens(previous.tokens.token_ids, [previous.rows[seq.seq_id] for seq in seqs])
-        result = self.runner.execute(scheduled, self._adapter_slots(scheduled), device_tokens)
-        last_rows = [start + item.num_new_tokens - 1 for start, item in zip(result.starts, scheduled)]
-        tokens = self.sampler.greedy_pending(self.model.compute_logits(_take_rows(result.hidden, last_rows)))
+        """Launch a greedy step, decode rows first (their inputs from `previous`'s tokens on the device),
+        then read `previous` back while the device computes it; the step stays in flight."""
+        result = self.runner.execute(scheduled, self._adapter_slots(scheduled), _device_tokens(scheduled, previous))
+        sampling = [(start + item.num_new_tokens - 1, item.seq)
+                    for start, item in zip(result.starts, scheduled) if item.samples]
+        seqs = [seq for _, seq in sampling]
+        tokens = None
+        if sampling:
+            rows = [row for row, _ in sampling]
+            tokens = self.sampler.greedy_pending(self.model.compute_logits(_take_rows(result.hidden, rows)))
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)})
@@ -486,7 +509,7 @@ class LLMEngine:
             seq.drop_in_flight_token()
         outputs = {request_id: self._output(request)
                    for request_id, request in self._finish_detokenization().items()}
-        if step is not None:
+        if seqs:
             self._append_sampled(seqs, step.tokens.result(), outputs)
         return outputs
 
@@ -625,6 +648,18 @@ def _completion(seq: Sequence) -> CompletionOutput:
         logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
     )
+
+
+def _decodes_first(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
+    """The step's sequences with one new token first (they share one batched decode attention), in order."""
+    return sorted(scheduled, key=lambda item: item.num_new_tokens != 1)
+
+
+def _device_tokens(scheduled: list[ScheduledSequence], previous: InFlightStep | None) -> DeviceTokens | None:
+    """Where the step's sequences sampled by `previous` find their input id among its tokens on the device."""
+    if previous is None or previous.tokens is None:
+        return None
+    return DeviceTokens(previous.tokens.token_ids, [previous.rows.get(item.seq.seq_id, -1) for item in scheduled])
 
 
 def _take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:

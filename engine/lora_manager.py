@@ -37,6 +37,7 @@ class LoRAResidency:
     slot: int | None  # device slot, or None when not resident
     in_cpu: bool  # a host copy is cached
     running: int  # running sequences using it
+    unloaded: bool = False  # unloaded: listed only while running sequences still use it
 
 
 class LoRAManager:
@@ -273,9 +274,12 @@ class LoRAManager:
 
     # ---- reporting ------------------------------------------------------------------------
     def status(self) -> dict[int, LoRAResidency]:
-        ids = set(self.known) | {i for i in self.slot_owner if i is not None} | set(self.host)
+        """Known adapters, and unloaded ones while running sequences still use them: their slot goes with the
+        last, and they must not vanish from what counts running requests per adapter before that."""
+        unloaded = {i for i in self.pins if i in self.removed}
         return {i: LoRAResidency(slot=self.slot_owner.index(i) if i in self.slot_owner else None,
-                                 in_cpu=i in self.host, running=self.pins[i]) for i in sorted(ids)}
+                                 in_cpu=i in self.host, running=self.pins[i], unloaded=i in unloaded)
+                for i in sorted(set(self.known) | unloaded)}
 
     def slot_usage(self) -> tuple[int, int]:
         return sum(owner is not None for owner in self.slot_owner), self.num_slots

@@ -147,13 +147,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],
                 device_tokens: DeviceTokens | None = None) -> StepResult:
-        """device_tokens: for a decode-only step, the input ids to take on the device instead of from
-        the sequences' token_ids (which hold placeholders for them)."""
+        """device_tokens: input ids to take on the device instead of from the sequences' token_ids (which
+        hold placeholders for them)."""
         decode_only = all(item.num_new_tokens == 1 for item in scheduled)
         num_tokens = sum(item.num_new_tokens for item in scheduled)
         bucket = None if decode_only else self._piecewise_bucket(num_tokens)
-        if device_tokens is not None and not decode_only:
-            raise ValueError("input ids on the device need a decode-only step")
+        starts, offset = [], 0
+        for item in scheduled:
+            starts.append(offset)
+            offset += item.num_new_tokens
         if decode_only and self.replays_graph(len(scheduled)):
             seqs = [item.seq for item in scheduled]
             hidden = self.graphs.run([s.token_ids[s.num_computed_tokens] for s in seqs],
@@ -161,15 +163,12 @@ class ModelRunner:
                                      adapter_slots, device_tokens)
         elif bucket is not None:
             rows, attention = self._pack_step(scheduled, adapter_slots, bucket)
+            if device_tokens is not None:
+                device_tokens.write_into(rows[0], starts)
             hidden = self.piecewise.run(rows, attention, num_tokens)
         else:
             step = self.build_step(scheduled, adapter_slots)
-            if device_tokens is not None:  # one input id per sequence, in order
-                rows = torch.tensor(device_tokens.rows, dtype=torch.long, device=self.device)
-                torch.index_select(device_tokens.tokens, 0, rows, out=step.input_ids)
+            if device_tokens is not None:
+                device_tokens.write_into(step.input_ids, starts)
             hidden = self.model(step, self.kv_caches)
-        starts, offset = [], 0
-        for item in scheduled:
-            starts.append(offset)
-            offset += item.num_new_tokens
         return StepResult(hidden=hidden, starts=starts)

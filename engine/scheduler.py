@@ -110,13 +110,30 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Free everything a sequence holds (finished or aborted), wherever it is."""
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.status is SequenceStatus.ENDING:
+            pass  # retired: it holds nothing
+        elif seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
             self.allocator.free(seq.block_table)  # a suspended sequence's
         seq.status = SequenceStatus.FINISHED
+
+    def retire(self, seq: Sequence) -> None:
+        """A running sequence whose last token a step in flight samples (it reaches its length) frees its
+        KV blocks and adapter pin now, so the next step, scheduled before that token is read, may admit into
+        its room as a synchronous engine would. The next step runs after the one in flight on the device, so
+        it may reuse the blocks and the slot. It is finished when its token is read back."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.ENDING
+
+    def running_fit(self) -> bool:
+        """True when every running sequence's uncomputed tokens fit in free KV blocks: schedule() then
+        preempts none."""
+        return sum(self._blocks_needed(seq, seq.num_uncomputed_tokens) for seq in self.running) \
+            <= self.allocator.num_free
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)

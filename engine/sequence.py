@@ -18,6 +18,7 @@ IN_FLIGHT_TOKEN = -1
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    ENDING = "ending"  # its last token (by length) is still on the device; it holds no KV block or slot pin
     FINISHED = "finished"
 
 

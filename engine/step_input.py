@@ -59,8 +59,18 @@ class StepInput:
 
 @dataclass
 class DeviceTokens:
-    """Input ids of a decode step that are still on the device (async scheduling): scheduled sequence
-    i's is tokens[rows[i]], the token the previous step sampled for it, which the host has not read."""
+    """Input ids of a step that are still on the device (async scheduling): scheduled sequence i's next
+    input id is tokens[rows[i]], the token the previous step sampled for it, which the host has not read;
+    rows[i] is -1 for a sequence whose input ids the host has (a prompt admitted in this step)."""
 
     tokens: torch.Tensor  # [B_prev] int64, the previous step's sampled tokens
     rows: list[int]
+
+    def write_into(self, input_ids: torch.Tensor, starts: list[int]) -> None:
+        """input_ids[starts[i]] = tokens[rows[i]] for each sequence i the previous step sampled for (its
+        host input id is a placeholder)."""
+        pairs = [(start, row) for start, row in zip(starts, self.rows) if row >= 0]
+        if not pairs:
+            return
+        index = torch.tensor(pairs, dtype=torch.long).T.to(input_ids.device)
+        input_ids.index_copy_(0, index[0], self.tokens.index_select(0, index[1]))

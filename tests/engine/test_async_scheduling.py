@@ -54,14 +54,25 @@ class Run:
         monkeypatch.setattr(engine.scheduler, "schedule", recording)
         self.overlapped_steps = 0
         self.overlapped_with_waiting = 0  # of those, steps launched while requests waited
+        self.overlapped_admissions = 0  # of those, steps computing a prompt from its start
         execute = engine.runner.execute
 
         def counting(scheduled, slots, device_tokens=None):
-            self.overlapped_steps += device_tokens is not None
-            self.overlapped_with_waiting += device_tokens is not None and bool(engine.scheduler.waiting)
+            overlapped = device_tokens is not None
+            self.overlapped_steps += overlapped
+            self.overlapped_with_waiting += overlapped and bool(engine.scheduler.waiting)
+            self.overlapped_admissions += overlapped and any(item.seq.num_computed_tokens == 0 for item in scheduled)
             return execute(scheduled, slots, device_tokens)
 
         monkeypatch.setattr(engine.runner, "execute", counting)
+        self.drains = 0
+        drain = engine.drain
+
+        def counting_drains():
+            self.drains += 1
+            return drain()
+
+        monkeypatch.setattr(engine, "drain", counting_drains)
 
     def add(self, prompt, params, lora=None) -> str:
         return self.engine.add_request(prompt, params, lora)
@@ -91,9 +102,9 @@ def run(engine, monkeypatch, requests) -> tuple[list, Run]:
     return [r.final[i] for i in ids], r
 
 
-def summary(output) -> list[tuple]:
+def summary(output) -> tuple:
     return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, pytest.approx(c.cumulative_logprob, abs=1e-4))
-            for c in output.outputs]
+            for c in output.outputs], output.prompt_logprobs
 
 
 def assert_same(sync_outputs, async_outputs) -> None:
@@ -255,12 +266,13 @@ def test_an_admitting_step_recording_prompt_logprobs_is_synchronous(engines, mon
     assert r.overlapped_steps == 5
 
 
-def test_a_prompt_chunk_that_does_not_end_the_prompt_is_synchronous(tiny_llama, monkeypatch):
+def test_every_prompt_chunk_stays_in_flight(tiny_llama, monkeypatch):
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=5),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=5))
     launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
     compare(engines, monkeypatch, [(PROMPTS[1], greedy(6))])
-    assert launched == [len(engines[1].tokenize(PROMPTS[1])) % 5 or 5]  # only the last chunk's step
+    num_prompt = len(engines[1].tokenize(PROMPTS[1]))
+    assert launched == [5] * (num_prompt // 5) + [num_prompt % 5] * bool(num_prompt % 5)
 
 
 @pytest.fixture(scope="module")
@@ -273,6 +285,20 @@ def full_engines(tiny_llama):
 def test_a_full_batch_that_stays_full_overlaps_while_requests_wait(full_engines, monkeypatch):
     _, r = compare(full_engines, monkeypatch, [(p, greedy(4 + 3 * i)) for i, p in enumerate(PROMPTS)])
     assert r.overlapped_with_waiting >= 5
+
+
+def test_a_sequence_ending_by_its_length_makes_room_for_a_waiting_one_without_draining(full_engines, monkeypatch):
+    _, r = compare(full_engines, monkeypatch, [(p, greedy(4 + 3 * i)) for i, p in enumerate(PROMPTS)])
+    assert r.overlapped_admissions == len(PROMPTS) - 2  # all but the first two, admitted at once
+    assert r.drains == 0
+
+
+def test_a_sequence_ending_at_the_context_end_makes_room_without_draining(tiny_llama, monkeypatch):
+    engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_seqs=1, max_model_len=24),
+               make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_seqs=1, max_model_len=24))
+    expected, r = compare(engines, monkeypatch, [(PROMPTS[3], greedy(None)), (PROMPTS[0], greedy(5))])
+    assert len(expected[0].prompt_token_ids) + len(expected[0].outputs[0].token_ids) == 24
+    assert (r.overlapped_admissions, r.drains) == (1, 0)
 
 
 @pytest.mark.parametrize("may_end", [{"ignore_eos": False}, {"stop": [STOP_STRING]}, {"stop_token_ids": [7]}],
@@ -294,6 +320,20 @@ def test_steps_overlap_once_min_tokens_are_out(engines, monkeypatch):
     _, r = compare(engines, monkeypatch, [(EOS_PROMPT, greedy(20, ignore_eos=False, min_tokens=14)),
                                        (PROMPTS[0], greedy(20))])
     assert r.overlapped_steps > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, seed=3, max_tokens=6), greedy(6, logprobs=2),
+                                    greedy(6, prompt_logprobs=2)], ids=["seeded", "logprobs", "prompt-logprobs"])
+def test_a_request_needing_the_full_sampler_is_launched_over_the_step_in_flight(engines, monkeypatch, params):
+    """Its step starts before the step in flight is read back, and is sampled once it is."""
+    r = _second_request_mid_run(engines, monkeypatch, (PROMPTS[1], greedy(12)), 3, (PROMPTS[4], params))
+    assert r.overlapped_admissions == 1
+
+
+def test_a_one_token_prompt_is_admitted_beside_decode_rows_that_take_their_ids_on_the_device(engines, monkeypatch):
+    token = engines[0].tokenize(PROMPTS[0])[-1]
+    r = _second_request_mid_run(engines, monkeypatch, (PROMPTS[1], greedy(12)), 3, ([token], greedy(6)))
+    assert r.overlapped_admissions == 1
 
 
 def test_requests_added_while_a_step_is_in_flight_match_sync_mode(engines, monkeypatch):

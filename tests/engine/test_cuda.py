@@ -151,6 +151,37 @@ def test_async_scheduling_with_cuda_graphs_gives_the_synchronous_tokens(tiny_lla
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
 
+def test_requests_admitted_over_a_step_in_flight_give_the_synchronous_tokens(tiny_llama, loras):
+    """Prompts arriving while greedy steps are in flight: a step admitting them (the pieces of a mixed step, or a
+    decode graph beside a one-token prompt) takes its decode rows' ids on the device, and is left in flight."""
+    kwargs = {"device": "cuda", "dtype": "float32", "enable_lora": True, "max_loras": 4, "max_lora_rank": 16,
+              "block_size": 4, "max_num_seqs": 3}
+    engines = [LLM(str(tiny_llama), async_scheduling=False, **kwargs).engine, LLM(str(tiny_llama), **kwargs).engine]
+    one_token = engines[0].tokenize(PROMPTS[0])[-1:]
+    arrivals = [(PROMPTS[1], 20, loras[0]), (PROMPTS[2], 6, None), (one_token, 9, loras[1]), (PROMPTS[3], 7, loras[2]),
+                (PROMPTS[4], 8, None), (one_token, 5, None)]
+    finals, overlapped = [], []
+    for engine in engines:
+        execute = engine.runner.execute
+
+        def counting(scheduled, slots, device_tokens=None, execute=execute):
+            overlapped.append(device_tokens is not None and any(i.seq.num_computed_tokens == 0 for i in scheduled))
+            return execute(scheduled, slots, device_tokens)
+
+        engine.runner.execute = counting
+        outputs = {}
+        for prompt, max_tokens, lora in arrivals:  # one arrival every other step
+            engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), lora)
+            for _ in range(2):
+                outputs.update((o.request_id, o) for o in engine.step())
+        while engine.has_unfinished_requests():
+            outputs.update((o.request_id, o) for o in engine.step())
+        finals.append([outputs[k].outputs[0].token_ids for k in sorted(outputs, key=int)])
+        assert engine.allocator.num_free == engine.allocator.num_blocks
+    assert finals[1] == finals[0]
+    assert sum(overlapped) >= 3
+
+
 def test_steps_of_any_size_compile_no_kernel_after_the_engine_starts(tiny_llama, loras, monkeypatch):
     """Requests arriving one per step make eager mixed steps of odd and even token counts beside decode rows:
     every kernel variant they use was compiled at start (a compile mid-run stalls its step for about a second
