@@ -10,6 +10,7 @@ import anyio
 
 from adapters_registry import AdapterEntry, AdapterError, AdapterNotFoundError, AdapterRegistry, AdapterSpec
 from engine import LoRARequest
+from engine.lora_manager import LoRAResidency
 
 from .allowed_dirs import check_allowed
 from .errors import APIError, bad_request, model_not_found
@@ -54,6 +55,8 @@ class AdapterService:
         self.allowed_dirs = allowed_dirs
         self._lock = asyncio.Lock()
         self.created = int(time.time())
+        # unloaded (or replaced in place) adapters, listed while running requests still use them
+        self._unloaded: dict[int, AdapterEntry] = {}
 
     @property
     def base_name(self) -> str:
@@ -68,8 +71,16 @@ class AdapterService:
             raise model_not_found(model)
         return lora_request(entry)
 
-    def names_by_id(self) -> dict[int, str]:
-        return {entry.int_id: entry.name for entry in self.registry.list()}
+    def served(self) -> list[tuple[AdapterEntry, LoRAResidency | None]]:
+        """Registered adapters, then unloaded ones whose running requests have not ended (forgotten once they have),
+        each with its residency: requests that run count per adapter until they end."""
+        status = self.engine.lora_status()
+        for int_id in list(self._unloaded):
+            if int_id not in status:
+                self._unloaded.pop(int_id, None)
+        registered = [(entry, status.get(entry.int_id)) for entry in self.registry.list()]
+        unloaded = [(entry, status[entry.int_id]) for entry in list(self._unloaded.values()) if entry.int_id in status]
+        return registered + unloaded
 
     def model_cards(self) -> list[dict]:
         """One card per name of the base model (as vLLM lists every served name), then one per adapter."""
@@ -91,11 +102,10 @@ class AdapterService:
         return [*bases, *adapters]
 
     def describe(self) -> list[dict]:
-        """Each adapter with its shape, where its weights live now, and how busy it is."""
-        status = self.engine.lora_status()
+        """Each adapter with its shape, where its weights live now, and how busy it is; one unloaded while its
+        requests still run is marked so, until they end."""
         described = []
-        for entry in self.registry.list():
-            residency = status.get(entry.int_id)
+        for entry, residency in self.served():
             slot = residency.slot if residency else None
             in_cpu = bool(residency and residency.in_cpu)
             described.append({
@@ -110,6 +120,7 @@ class AdapterService:
                 "residency": "slot" if slot is not None else "host" if in_cpu else "disk",
                 "slot": slot,
                 "running_requests": residency.running if residency else 0,
+                "unloaded": bool(residency and residency.unloaded),
                 "loaded_at": entry.loaded_at,
                 "load_seconds": round(entry.load_seconds, 4),
             })
@@ -140,6 +151,7 @@ class AdapterService:
                 except PermissionError as exc:
                     raise APIError(str(exc), 403, param="lora_path") from None
             spec = AdapterSpec(name=name, path=path)
+            previous = self.registry.lookup(name) if load_inplace else None
             try:
                 await anyio.to_thread.run_sync(
                     lambda: register_adapter(self.engine, self.registry, spec, replace=load_inplace)
@@ -148,6 +160,8 @@ class AdapterService:
                 raise APIError(str(exc), 404, param="lora_path") from None
             except (AdapterError, ValueError) as exc:
                 raise bad_request(str(exc), "lora_path") from None
+            if previous is not None:
+                self._unloaded[previous.int_id] = previous
         return f"Success: LoRA adapter '{name}' added successfully."
 
     async def unload(self, name: str | None) -> str:
@@ -159,6 +173,7 @@ class AdapterService:
                 entry = self.registry.unregister(name)
             except KeyError:
                 raise APIError(f"The lora adapter '{name}' cannot be found.", 404, param="lora_name") from None
+            self._unloaded[entry.int_id] = entry
             await anyio.to_thread.run_sync(self.engine.remove_lora, entry.int_id)
         logger.info("Unloaded adapter %s", name)
         return f"Success: LoRA adapter '{name}' removed successfully."

@@ -54,7 +54,7 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
     state = ServerState(
         engine=engine,
         adapters=adapters,
-        metrics=ServerMetrics(engine, adapters.names_by_id, adapters.base_name),
+        metrics=ServerMetrics(engine, adapters.served, adapters.base_name),
         settings=settings,
         logprobs=LogprobFormatter(engine.tokenizer),
     )

@@ -7,6 +7,9 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from adapters_registry import AdapterEntry
+from engine.lora_manager import LoRAResidency
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 
@@ -14,9 +17,9 @@ _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64
 class _EngineCollector:
     """Reads the engine's live state on every scrape, so gauges are never stale."""
 
-    def __init__(self, engine, adapter_names: Callable[[], dict[int, str]]) -> None:
+    def __init__(self, engine, adapters: Callable[[], list[tuple[AdapterEntry, LoRAResidency | None]]]) -> None:
         self.engine = engine
-        self.adapter_names = adapter_names
+        self.adapters = adapters
 
     def collect(self):
         stats = self.engine.stats()
@@ -36,26 +39,37 @@ class _EngineCollector:
         ):
             yield CounterMetricFamily(name, doc, value=value)
         running = GaugeMetricFamily(
-            "loraserve_adapter_running_requests", "Running requests per registered adapter.", labels=["adapter"]
+            "loraserve_adapter_running_requests",
+            "Running requests per adapter (one unloaded while they run included, until they end).", labels=["adapter"]
         )
         resident = GaugeMetricFamily(
             "loraserve_adapter_resident", "1 when the adapter holds an adapter slot.", labels=["adapter"]
         )
-        status = self.engine.lora_status()
-        for int_id, name in self.adapter_names().items():
-            residency = status.get(int_id)
-            running.add_metric([name], residency.running if residency else 0)
-            resident.add_metric([name], 1 if residency and residency.slot is not None else 0)
+        counts, slots = self._per_name()
+        for name in counts:
+            running.add_metric([name], counts[name])
+            resident.add_metric([name], slots[name])
         yield running
         yield resident
+
+    def _per_name(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Running requests and slot residency per adapter name: an adapter replaced in place whose old version
+        still runs requests is two entries, and a label may appear once."""
+        counts: dict[str, int] = {}
+        slots: dict[str, int] = {}
+        for entry, residency in self.adapters():
+            counts[entry.name] = counts.get(entry.name, 0) + (residency.running if residency else 0)
+            slots[entry.name] = max(slots.get(entry.name, 0), int(residency is not None and residency.slot is not None))
+        return counts, slots
 
 
 class ServerMetrics:
     """All of one app's metrics, in the app's own registry (so several apps can live in one process)."""
 
-    def __init__(self, engine, adapter_names: Callable[[], dict[int, str]], base_label: str) -> None:
-        """base_label: the `adapter` label of base-model requests, the served model's name (no adapter may take it,
-        so it never mixes with one)."""
+    def __init__(self, engine, adapters: Callable[[], list[tuple[AdapterEntry, LoRAResidency | None]]],
+                 base_label: str) -> None:
+        """adapters: each served adapter with its residency (`AdapterService.served`). base_label: the `adapter`
+        label of base-model requests, the served model's name (no adapter may take it, so it never mixes with one)."""
         self.base_label = base_label
         self.registry = CollectorRegistry()
         self.requests = Counter(
@@ -84,7 +98,7 @@ class ServerMetrics:
             "loraserve_e2e_request_latency_seconds", "Time from arrival to the last token.",
             ["adapter"], buckets=_LATENCY_BUCKETS, registry=self.registry,
         )
-        self.registry.register(_EngineCollector(engine, adapter_names))
+        self.registry.register(_EngineCollector(engine, adapters))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,9 +1,14 @@
 """Adapters over REST: vLLM's load/unload endpoints, /v1/models and /v1/lora_adapters."""
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 GREEDY = {"prompt": "Hello world!", "max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 
@@ -14,6 +19,52 @@ def _model_ids(http) -> list[str]:
 
 def _adapter(http, name: str) -> dict | None:
     return next((a for a in http.get("/v1/lora_adapters").json()["data"] if a["name"] == name), None)
+
+
+def _running_requests_gauge(http) -> dict[str, float]:
+    return {
+        sample.labels["adapter"]: sample.value
+        for family in text_string_to_metric_families(http.get("/metrics").text)
+        for sample in family.samples if sample.name == "loraserve_adapter_running_requests"
+    }
+
+
+@contextmanager
+def _engine_held_once_a_token_is_out(engine) -> Iterator[None]:
+    """The engine takes no more steps once a step has put out a token (it still runs commands: loads, status
+    reads, aborts), so a running request stays running for as long as a test looks at it."""
+    held = threading.Event()
+    step, unfinished = engine.step, engine.has_unfinished_requests
+
+    def step_then_hold():
+        outputs = step()
+        if any(output.outputs[0].token_ids for output in outputs):
+            held.set()
+        return outputs
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine, "step", step_then_hold)
+        patch.setattr(engine, "has_unfinished_requests", lambda: unfinished() and not held.is_set())
+        yield
+
+
+def _load_delta(http, allowed_dir, name: str, **extra) -> None:
+    body = {"lora_name": name, "lora_path": str(allowed_dir / "delta"), **extra}
+    assert http.post("/v1/load_lora_adapter", json=body).status_code == 200
+
+
+@contextmanager
+def _a_request_running(http, server, allowed_dir, name: str) -> Iterator[None]:
+    """Load an adapter and start a streamed request for it, which runs until the client goes on exit."""
+    _load_delta(http, allowed_dir, name)
+    body = {"model": name, "prompt": "Hello", "max_tokens": 8, "logprobs": 0, "stream": True}  # an event a token
+    with _engine_held_once_a_token_is_out(server.engine.engine):
+        with httpx.Client(base_url=server.base_url, timeout=60) as client:
+            with client.stream("POST", "/v1/completions", json=body) as response:
+                lines = response.iter_lines()  # kept: closing it would close the connection
+                next(line for line in lines if line.startswith("data:"))
+                yield
+        server.wait_idle()
 
 
 def test_models_lists_base_then_adapters_with_parent(http, server, adapter_dirs):
@@ -33,7 +84,7 @@ def test_lora_adapters_reports_rank_modules_residency_and_load_time(http):
     assert beta["rank"] == 6
     assert set(beta["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     assert beta["residency"] == "slot"  # it just ran: its slot still holds it (not "gpu": this server has none)
-    assert beta["running_requests"] == 0
+    assert beta["running_requests"] == 0 and beta["unloaded"] is False
     assert beta["load_seconds"] >= 0 and beta["loaded_at"] > 0
 
 
@@ -56,6 +107,34 @@ def test_load_use_unload_cycle(http, server, allowed_dir):
     assert "delta" not in _model_ids(http)
     assert http.post("/v1/completions", json={"model": "delta", **GREEDY}).status_code == 404
     assert entry["id"] not in server.engine.lora_status()  # slot and host copy freed, not just the name
+
+
+def test_an_adapter_unloaded_while_its_request_runs_is_listed_as_unloaded_until_the_request_ends(
+        http, server, allowed_dir):
+    with _a_request_running(http, server, allowed_dir, "zeta"):
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "zeta"}).status_code == 200
+        zeta = _adapter(http, "zeta")
+        assert zeta["unloaded"] is True and zeta["running_requests"] == 1 and zeta["residency"] == "slot"
+    assert _adapter(http, "zeta") is None
+
+
+def test_running_requests_gauge_counts_an_unloaded_adapter_until_its_request_ends(http, server, allowed_dir):
+    with _a_request_running(http, server, allowed_dir, "eta"):
+        assert http.post("/v1/unload_lora_adapter", json={"lora_name": "eta"}).status_code == 200
+        assert _running_requests_gauge(http)["eta"] == 1
+    assert "eta" not in _running_requests_gauge(http)
+
+
+def test_an_adapter_replaced_in_place_while_its_request_runs_is_listed_twice_and_counted_once(
+        http, server, allowed_dir):
+    """The old version stays listed, as unloaded, beside the new one; the gauge counts both under the one name."""
+    with _a_request_running(http, server, allowed_dir, "theta"):
+        _load_delta(http, allowed_dir, "theta", load_inplace=True)
+        listed = [a for a in http.get("/v1/lora_adapters").json()["data"] if a["name"] == "theta"]
+        assert [(a["unloaded"], a["running_requests"]) for a in listed] == [(False, 0), (True, 1)]
+        assert _running_requests_gauge(http)["theta"] == 1
+    assert [a["unloaded"] for a in http.get("/v1/lora_adapters").json()["data"] if a["name"] == "theta"] == [False]
+    http.post("/v1/unload_lora_adapter", json={"lora_name": "theta"})
 
 
 def test_unload_unknown_adapter_is_404(http):

@@ -118,7 +118,7 @@ def test_metrics_expose_engine_gauges(http):
 def test_time_per_output_token_of_n_choices_divides_by_the_longest_choice():
     """The n choices of a request decode side by side: 8 s after the first tokens, 4 choices of 5 tokens each
     took 2 s a token, not 8 / 19."""
-    metrics = ServerMetrics(engine=None, adapter_names=dict, base_label="tiny")
+    metrics = ServerMetrics(engine=None, adapters=list, base_label="tiny")
     tracker = metrics.tracker(LoRARequest("a", 1, "/a"))
     tracker.first_token = time.perf_counter() - 8.0
     tracker.finish("length", prompt_tokens=3, generated_tokens=4 * 5, longest_choice=5)
