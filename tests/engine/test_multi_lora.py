@@ -173,7 +173,8 @@ def test_unload_lets_running_requests_finish_then_frees_everything(tiny_llama, a
     while not engine.scheduler.running:  # its weights are read in the background first
         engine.step()
     engine.lora_manager.remove(lora.lora_int_id)
-    assert engine.lora_manager.status()[lora.lora_int_id].running == 1
+    residency = engine.lora_manager.status()[lora.lora_int_id]
+    assert residency.running == 1 and residency.unloaded
     (output,) = run_to_completion(engine).values()
     assert output.request_id == request_id
     assert output.outputs[0].token_ids == reference[(PROMPTS[0], lora.lora_name)][0]
