@@ -19,6 +19,7 @@ from .protocol import TGIGenerateRequest
 from .state import ServerState
 
 logger = logging.getLogger("loraserve.server")
+_REPLACEMENT_CHAR = "\ufffd"  # what a token holding part of a character decodes to alone
 
 
 def _tgi_error(exc: APIError) -> JSONResponse:
@@ -102,9 +103,26 @@ class TGIHandler:
         texts = texts or [""] * len(ids)
         return [self._token(token_id, text, position) for token_id, text, position in zip(ids, texts, positions)]
 
-    def _token_texts(self, prompt_token_ids: list[int], token_ids: list[int]) -> list[str]:
-        """Each generated token's own text, decoded as the stream released it: a character split over several
-        tokens goes to the token that completes it, and special tokens have none."""
+    def _token_texts(self, output) -> list[str]:
+        """Each generated token's own text, as the stream released it: a character split over several tokens goes
+        to the token that completes it, and special tokens have none. The texts the engine decoded for the logprobs
+        (each token alone) are those when they are whole characters adding up to the generated text, as byte-level
+        tokens almost always are; else (a split character, a SentencePiece word whose leading space shows only in
+        context, a text cut by a stop sequence) the tokens are decoded again, in context."""
+        completion = output.outputs[0]
+        alone = self._texts_alone(completion)
+        if "".join(alone) == completion.text and not any(_REPLACEMENT_CHAR in text for text in alone):
+            return alone
+        return self._texts_in_context(output.prompt_token_ids, completion.token_ids)
+
+    def _texts_alone(self, completion) -> list[str]:
+        """Each token's text decoded alone, as the engine did for its logprobs (TGI's requests ask for them);
+        special tokens have none."""
+        return ["" if token_id in self._special else position[token_id].decoded_token
+                for token_id, position in zip(completion.token_ids, completion.logprobs)]
+
+    def _texts_in_context(self, prompt_token_ids: list[int], token_ids: list[int]) -> list[str]:
+        """Each token's text decoded after the ones before it, as the engine's stream decodes it."""
         detokenizer = IncrementalDetokenizer(self.state.tokenizer, prompt_token_ids, SamplingParams())
         texts, shown = [], 0
         for token_id in token_ids:
@@ -130,8 +148,7 @@ class TGIHandler:
         }
         if with_tokens:
             details["prefill"] = self._prefill(output) if body.parameters.decoder_input_details else []
-            details["tokens"] = self._tokens(completion, 0, self._token_texts(output.prompt_token_ids,
-                                                                               completion.token_ids))
+            details["tokens"] = self._tokens(completion, 0, self._token_texts(output))
         return details
 
     async def _whole(self, body: TGIGenerateRequest, generations: list[Generation]) -> dict:

@@ -6,6 +6,7 @@ import json
 import httpx
 import pytest
 
+from openai_server import tgi
 from openai_server.config import serve_config_from_args
 from openai_server.launch import build_server
 
@@ -47,6 +48,33 @@ def test_generate_details_give_each_token_its_own_text(http):
     tokens = body["details"]["tokens"]
     assert "".join(token["text"] for token in tokens) == body["generated_text"]
     assert sum(bool(token["text"]) for token in tokens) > 1
+
+
+def test_generate_details_give_a_character_split_over_tokens_to_the_token_that_completes_it(http, server):
+    body = {"inputs": "The capital of", "parameters": {"max_new_tokens": 2, "details": True}}
+    first, second = http.post("/generate", json=body).json()["details"]["tokens"]
+    character = server.engine.tokenizer.decode([first["id"], second["id"]])
+    assert len(character) == 1 and not character.isascii()  # the tiny model's reply: one character in two tokens
+    assert (first["text"], second["text"]) == ("", character)
+
+
+def test_generate_details_give_each_token_the_text_the_stream_gives_it(http):
+    """The greedy reply to INPUTS holds bytes of characters, some completed by the next token and some never."""
+    parameters = {"max_new_tokens": 12}
+    whole = http.post("/generate", json={"inputs": INPUTS, "parameters": {**parameters, "details": True}}).json()
+    with http.stream("POST", "/generate_stream", json={"inputs": INPUTS, "parameters": parameters}) as response:
+        streamed = [event["token"] for event in _events(response)]
+    assert [(t["id"], t["text"]) for t in whole["details"]["tokens"]] == [(t["id"], t["text"]) for t in streamed]
+
+
+def test_generate_details_take_the_token_texts_the_engine_decoded(http, monkeypatch):
+    """The engine decoded each token for its logprobs: tokens of whole characters are not decoded a second time."""
+    decoded_again = []
+    monkeypatch.setattr(tgi, "IncrementalDetokenizer", lambda *args: decoded_again.append(args))
+    body = http.post("/generate", json={"inputs": "C", "parameters": {"max_new_tokens": 10, "details": True}}).json()
+    tokens = [(token["text"], token["special"]) for token in body["details"]["tokens"]]
+    assert tokens == [("Ho", False), ("", True)]  # the tiny model's reply: whole characters, then its eos
+    assert decoded_again == []
 
 
 def test_generate_stream_sends_token_events_then_the_full_text(http):
