@@ -1,7 +1,10 @@
-"""Keeping the garbage collector's pauses out of serving: the start-up heap is frozen once it is built."""
+"""Keeping the garbage collector out of the way: the start-up heap is frozen once it is built, and no
+collection runs while CUDA graphs are captured."""
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 
 def freeze_startup_heap() -> None:
@@ -14,3 +17,18 @@ def freeze_startup_heap() -> None:
     engine's reference cycles are never collected. vLLM's engine core does the same."""
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """No cyclic collection inside: one that frees an earlier engine's CUDA graphs while this one captures
+    resets a graph mid-capture, which CUDA refuses, and the capture fails. Collected once before, as
+    vLLM does around its captures."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

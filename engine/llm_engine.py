@@ -16,6 +16,7 @@ from adapters_registry import ModelInfo
 
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer, TokenTexts
+from .gc_heap import collector_paused
 from .kv_cache import BlockAllocator, allocate_kv_caches, bytes_per_block
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
@@ -139,9 +140,10 @@ class LLMEngine:
         if self.device.type == "cuda" and not config.enforce_eager and config.tensor_parallel_size == 1:
             piecewise = config.cudagraph_mode == "full_and_piecewise"
             capture_started = time.perf_counter()
-            self.runner.enable_cuda_graphs(
-                config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
-                max_num_batched_tokens=self.scheduler.max_num_batched_tokens if piecewise else None)
+            with collector_paused():
+                self.runner.enable_cuda_graphs(
+                    config.max_num_seqs, self.max_model_len, scratch_block=num_blocks,
+                    max_num_batched_tokens=self.scheduler.max_num_batched_tokens if piecewise else None)
             logger.info("CUDA graphs captured in %.1f s: %d decode buckets, %d mixed-step buckets",
                         time.perf_counter() - capture_started, len(self.runner.graphs.buckets),
                         len(self.runner.piecewise.buckets) if self.runner.piecewise else 0)
@@ -419,13 +421,12 @@ class LLMEngine:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers
         every running sequence, and nothing waits or every running sequence ends by its length alone (so
         the host knows which ones this step ends, and admits into their room as a synchronous engine
-        would); on the fast path (CUDA graphs, or the pieces of an admitting step); the sequences it
-        samples for take plain greedy tokens (they stay plain greedy: the sequences only grow), and no
-        prompt logprobs are recorded (they read the step's hidden states back)."""
+        would); the sequences it samples for take plain greedy tokens (they stay plain greedy: the
+        sequences only grow), and no prompt logprobs are recorded (they read the step's hidden states
+        back). An eager step qualifies too: a long prompt's launch takes less time than its work."""
         scheduler = self.scheduler
         return (self.async_scheduling and len(scheduled) == len(scheduler.running)
                 and (not scheduler.waiting or self._endings_known())
-                and (self.runner.replays_graphs(scheduled) or self.runner.graphs is None)
                 and all((not item.samples or is_plain_greedy(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
                     and (item.num_new_tokens == 1 or item.seq.request.params.prompt_logprobs is None)

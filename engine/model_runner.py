@@ -133,13 +133,6 @@ class ModelRunner:
         """True when a decode-only step of `batch` sequences replays a CUDA graph."""
         return self.graphs is not None and self.graphs.fits(batch)
 
-    def replays_graphs(self, scheduled: list[ScheduledSequence]) -> bool:
-        """True when the step replays CUDA graphs: a decode-only step one decode graph, any other step the
-        pieces of a bucket (attention launched between them)."""
-        if all(item.num_new_tokens == 1 for item in scheduled):
-            return self.replays_graph(len(scheduled))
-        return self._piecewise_bucket(sum(item.num_new_tokens for item in scheduled)) is not None
-
     def _piecewise_bucket(self, num_tokens: int) -> int | None:
         """The token count a mixed step of `num_tokens` replays the pieces of, or None when it runs eagerly."""
         return None if self.piecewise is None else self.piecewise.bucket(num_tokens)
