@@ -41,7 +41,7 @@ from .sampler import (
 from .sampling_params import SamplingParams, bad_words_token_ids
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
-from .step_input import DeviceTokens
+from .step_input import DeviceTokens, host_to_device
 from .warmup import warm_up_decode_attention, warm_up_eager_steps, warm_up_greedy
 
 logger = logging.getLogger("loraserve.engine")
@@ -669,10 +669,7 @@ def _take_rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
     sent from page-locked memory."""
     if rows[-1] == len(rows) - 1:
         return hidden[:len(rows)]
-    index = torch.tensor(rows)
-    if hidden.is_cuda:
-        index = index.pin_memory().to(hidden.device, non_blocking=True)
-    return hidden[index]
+    return hidden[host_to_device(rows, hidden.device)]
 
 
 def _token_ids(prompt: list[int]) -> list[int]:

@@ -12,7 +12,7 @@ from kernels.attention import prefill_uses_triton
 from .lora_layout import SlotRanks
 from .model import LlamaForCausalLM
 from .scheduler import ScheduledSequence
-from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
+from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput, host_to_device
 
 
 @dataclass
@@ -96,16 +96,15 @@ class ModelRunner:
             block_q = DEFAULT_CONFIG.block_q(config.num_attention_heads // config.num_key_value_heads)
             plan_values = PrefillPlan.host_values(query_lens[num_decode:], context_lens[num_decode:], block_q)
         # the per-token inputs and the prefill plan travel as one tensor (one copy to a GPU), used in pieces
-        packed = torch.tensor(input_ids + positions + slot_mapping + token_slots + plan_values,
-                              dtype=torch.long, device=dev)
+        packed = host_to_device(input_ids + positions + slot_mapping + token_slots + plan_values, dev)
         rows = packed[:4 * num_tokens].view(4, num_tokens)
         prefill = None
         if plan_values:
             prefill = PrefillPlan.from_values(packed[4 * num_tokens:], len(query_lens) - num_decode, block_q)
         attention = AttentionMetadata(
             slot_mapping=rows[2],
-            block_tables=torch.tensor(padded, dtype=torch.long, device=dev),
-            context_lens=torch.tensor(context_lens, dtype=torch.long, device=dev),
+            block_tables=host_to_device(padded, dev),
+            context_lens=host_to_device(context_lens, dev),
             query_lens=query_lens,
             context_lens_list=context_lens,
             num_decode=num_decode,
