@@ -6,8 +6,8 @@
 It drives the real `Scheduler` and the real `LoRAManager` through (d)'s request mix (512 requests of
 512 prompt + 128 output tokens, greedy, ignore_eos, all queued at t=0; 1000 adapters, Zipf(1.1) picks as in
 `benchmarks/serving.py`; max_loras=32, max_cpu_loras=128, max_num_seqs=128, max_num_batched_tokens=8192)
-and makes the scheduler and manager calls `LLMEngine.step` makes, async scheduling included: a greedy
-decode step left in flight, continued by `schedule_decode`, and drained by a step that runs no forward.
+and makes the scheduler and manager calls `LLMEngine.step` makes, async scheduling included: every step left in
+flight, the next one scheduled over it (`schedule_decode`, or sequences ending by length retired and `schedule`).
 
 What is not real: the manager's model is one 1×1 LoRA linear (slots and host rows hold nothing that
 matters), and its disk reads are futures that finish `--read-steps` steps after they were submitted
@@ -23,15 +23,15 @@ The counts are the serving benchmark's timeline counts: a step is decode-only wh
 sequence had its prompt computed before it and the number waiting did not change; the mean batch is the
 number running after each step, over all steps.
 
-Results (seed 0, read delay 10): fcfs 930 steps, 874 decode-only, mean running 70.2, 14.08 s estimated
-(the H200 measured 909 and 910 steps); balanced 794 steps, 729, 82.0, 13.37 s (-5.0%; the H200: 798 and 799,
-and 797 and 800 before the adapters left over were ordered by their waiting requests). No order can do much
-better: an adapter holds its slot for at least 129 steps (its prefill and 128 decodes), and 173 adapters in 32
-slots put 6 of them in one slot, so at least 774 steps (balanced with reads that take one step: 776); the decode
-rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is 5.3 ms per step.
+Results (seed 0, read delay 10): fcfs 928 steps, 872 decode-only, mean running 70.6, 14.08 s estimated
+(the H200 measured 909 and 910 steps); balanced 794 steps, 729, 82.6, 13.37 s (-5.0%; the H200: 776 and 777 since
+admissions run over the step in flight, 797-800 before; its adapter reads take wall time, not steps, and its
+first steps wait for them). No order can do much better: an adapter holds its slot for at least 129 steps (its
+prefill and 128 decodes), and 173 adapters in 32 slots put 6 of them in one slot, so at least 774 steps; the
+decode rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is 5.3 ms per step.
 Unless adapters yield their slots mid-way: with `--suspend-margin 32` (EngineConfig.suspend_margin), balanced
-takes 733 steps (52 suspensions), 13.05 s. This simulation leaves no step in flight while requests wait and the
-batch has room, so it does not count what each suspension costs the engine: a step in flight read back early.
+takes 733 steps (52 suspensions), 13.05 s; the engine itself on the CPU (`serving.py --shape small --device cpu`,
+async scheduling forced) 716 steps and 54 suspensions, as here with reads of one step.
 """
 from __future__ import annotations
 
@@ -178,54 +178,54 @@ class Simulation:
             raise RuntimeError(f"adapter reads cannot fail here: {plan.failed}")
         if plan.empty:
             return 0.0, False
-        cost = self._cost(plan.scheduled)
-        if self._may_leave_in_flight(plan.scheduled):
-            self._launch([item.seq for item in plan.scheduled], None)
-            return cost, True
-        sampling = [item.seq for item in plan.scheduled if item.samples]
-        for item in plan.scheduled:
-            item.seq.num_computed_tokens += item.num_new_tokens
-        for seq in sampling:
-            self._append_token(seq)
-        return cost, True
+        self._run(plan.scheduled, None)
+        return self._cost(plan.scheduled), True
 
     def _cost(self, scheduled: list[ScheduledSequence]) -> float:
         decodes = sum(item.num_new_tokens == 1 and item.samples for item in scheduled)
         prompt_tokens = sum(item.num_new_tokens for item in scheduled) - decodes
         return DECODE_BASE_MS + DECODE_ROW_MS * decodes + PREFILL_TOKEN_MS * prompt_tokens
 
-    def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
-        """`LLMEngine._may_leave_in_flight` (every batch size replays a graph: they are captured up to max_num_seqs)."""
-        scheduler = self.scheduler
-        return (self.async_scheduling and len(scheduled) == len(scheduler.running)
-                and (not scheduler.waiting or len(scheduled) >= scheduler.max_num_seqs
-                     and self._batch_stays_full(unplaced=1))
-                and all(item.num_new_tokens == 1 and item.samples for item in scheduled))
-
-    def _batch_stays_full(self, unplaced: int = 0) -> bool:
-        return all(len(seq.token_ids) + unplaced - seq.num_prompt_tokens < self.workload.output_len
-                   for seq in self.scheduler.running)
-
     def _step_after_in_flight(self) -> tuple[float, bool]:
+        """`LLMEngine._step_after_in_flight`: a decode of the same sequences, or (every sequence here ends by its
+        length alone) those whose last token is in flight retired and a fresh schedule over the step in flight."""
+        scheduler = self.scheduler
         plan = None
-        if not self.scheduler.waiting or self._batch_stays_full():
-            plan = self.scheduler.schedule_decode()
+        if not scheduler.waiting or self._batch_stays_full():
+            plan = scheduler.schedule_decode()
+        if plan is None and scheduler.running_fit():
+            for seq in [seq for seq in scheduler.running if self._ends_at_length(seq)]:
+                scheduler.retire(seq)
+            plan = scheduler.schedule()
         previous, self.in_flight = self.in_flight, None
-        if plan is None:  # drained: the tokens read back, no forward
+        if plan is None or plan.empty:  # the tokens read back, no forward
             self._read_back(previous)
             return 0.0, False
-        cost = self._cost(plan.scheduled)
-        self._launch([item.seq for item in plan.scheduled], previous)
-        return cost, True
+        self._run(plan.scheduled, previous)
+        return self._cost(plan.scheduled), True
 
-    def _launch(self, seqs: list[Sequence], previous: _InFlight | None) -> None:
-        for seq in seqs:
-            seq.num_computed_tokens += 1
-        self.in_flight = _InFlight(seqs)
+    def _batch_stays_full(self) -> bool:
+        return not any(map(self._ends_at_length, self.scheduler.running))
+
+    def _ends_at_length(self, seq: Sequence) -> bool:
+        return len(seq.token_ids) - seq.num_prompt_tokens >= self.workload.output_len
+
+    def _run(self, scheduled: list[ScheduledSequence], previous: _InFlight | None) -> None:
+        """Launch a step, then read `previous` back; the step stays in flight when it covers every running
+        sequence (`LLMEngine._may_leave_in_flight`: every one here is plain greedy and ends by its length), else
+        its tokens are appended at once."""
+        sampling = [item.seq for item in scheduled if item.samples]
+        for item in scheduled:
+            item.seq.num_computed_tokens += item.num_new_tokens
+        stays = self.async_scheduling and len(scheduled) == len(self.scheduler.running)
+        if stays:
+            self.in_flight = _InFlight(sampling)
         if previous is not None:
             self._read_back(previous)
-        for seq in seqs:
-            if seq.status is not SequenceStatus.FINISHED:
+        for seq in sampling:
+            if not stays:
+                self._append_token(seq)
+            elif seq.status is not SequenceStatus.FINISHED:
                 seq.token_ids.append(IN_FLIGHT_TOKEN)
 
     def _read_back(self, step: _InFlight) -> None:
