@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from .chat_template import render_chat
 from .errors import bad_request
-from .generation import Generation, abort_all, merge, start_all, usage, usage_of
-from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
+from .generation import Generation, abort_all, merge, start_for_client, usage, usage_of
+from .httputil import client_gone, json_unless_disconnected, parse_body, sse_response, with_openai_framing
 from .protocol import ChatCompletionRequest, TokenizeRequest
 from .sampling import check_logprobs, sampling_params
 from .state import ServerState
@@ -47,19 +47,15 @@ class ChatHandler:
         # no max_tokens: the engine allows what the context window (after truncate_prompt_tokens) and cache hold
         params = sampling_params(body, max_tokens=body.requested_max_tokens(), logprobs=top_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        generations = await unless_disconnected(request, start_all(
-            state.engine, [prompt_ids], params, lora, [request_id],
-            [state.metrics.tracker(lora)],
-        ))
-        if generations is None:  # the client went away while its requests were queued
-            return Response(status_code=499)
+        generations = await start_for_client(request, state, [prompt_ids], params, lora, [request_id])
+        if generations is None:
+            return client_gone()
         model = body.model or state.adapters.base_name
         created = int(time.time())
         if body.stream:
             events = self._stream(body, generations, request_id, model, created, top_logprobs)
             return sse_response(with_openai_framing(events), lambda: abort_all(generations))
-        response = await unless_disconnected(request, self._whole(generations, request_id, model, created, top_logprobs))
-        return JSONResponse(response) if response is not None else Response(status_code=499)
+        return await json_unless_disconnected(request, self._whole(generations, request_id, model, created, top_logprobs))
 
     def _logprobs(self, completion, start: int, top_logprobs: int | None) -> dict | None:
         if top_logprobs is None:

@@ -7,10 +7,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
-from .generation import Generation, abort_all, merge, start_all, usage, usage_of
-from .httputil import parse_body, sse_response, unless_disconnected, with_openai_framing
+from .generation import Generation, abort_all, merge, start_for_client, usage, usage_of
+from .httputil import client_gone, json_unless_disconnected, parse_body, sse_response, with_openai_framing
 from .protocol import CompletionRequest
 from .sampling import check_logprobs, sampling_params
 from .state import ServerState
@@ -39,20 +39,16 @@ class CompletionHandler:
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs, prompt_logprobs=echo_logprobs)
         prompts = body.prompts()
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        generations = await unless_disconnected(request, start_all(
-            state.engine, prompts, params, lora,
-            [f"{request_id}-{i}" for i in range(len(prompts))],
-            [state.metrics.tracker(lora) for _ in prompts],
-        ))
-        if generations is None:  # the client went away while its requests were queued
-            return Response(status_code=499)
+        generations = await start_for_client(request, state, prompts, params, lora,
+                                             [f"{request_id}-{i}" for i in range(len(prompts))])
+        if generations is None:
+            return client_gone()
         model = body.model or state.adapters.base_name
         created = int(time.time())
         if body.stream:
             events = self._stream(body, prompts, generations, request_id, model, created)
             return sse_response(with_openai_framing(events), lambda: abort_all(generations))
-        response = await unless_disconnected(request, self._whole(body, prompts, generations, request_id, model, created))
-        return JSONResponse(response) if response is not None else Response(status_code=499)
+        return await json_unless_disconnected(request, self._whole(body, prompts, generations, request_id, model, created))
 
     def _echo(self, body, prompt: str | list[int], output) -> str:
         """The prompt as echoed: its text, or the tokens the engine ran decoded (token ids, or a prompt cut by

@@ -5,8 +5,10 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import anyio
+from starlette.requests import Request
 
 from .errors import bad_request
+from .httputil import unless_disconnected
 from .metrics import RequestTracker
 
 
@@ -110,6 +112,15 @@ async def start_all(engine, prompts, params, lora_request, request_ids, trackers
         await _close_all(tasks)
         raise errors[0]
     return [task.result() for task in tasks]
+
+
+async def start_for_client(request: Request, state, prompts, params, lora_request,
+                           request_ids: list[str]) -> list[Generation] | None:
+    """start_all, each request counted by the metrics, cancelled (its requests aborted) if the client disconnects
+    while they are queued: None then."""
+    trackers = [state.metrics.tracker(lora_request) for _ in prompts]
+    return await unless_disconnected(request, start_all(state.engine, prompts, params, lora_request, request_ids,
+                                                        trackers))
 
 
 async def _close_all(tasks: list[asyncio.Future]) -> None:

@@ -10,7 +10,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from .errors import APIError, bad_request, error_body, from_validation_error
 
@@ -86,3 +86,14 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
     return task.result() if not task.cancelled() else None
+
+
+def client_gone() -> Response:
+    """The answer to a request whose client disconnected first (nginx's 499): nobody reads it."""
+    return Response(status_code=499)
+
+
+async def json_unless_disconnected(request: Request, work: Awaitable[dict]) -> Response:
+    """`work`'s answer as JSON, or `client_gone()` when the client disconnects first (`work` is cancelled)."""
+    body = await unless_disconnected(request, work)
+    return JSONResponse(body) if body is not None else client_gone()

@@ -13,8 +13,8 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import PositionLogprobs
 
 from .errors import APIError, bad_request
-from .generation import Generation, abort_all, merge, start_all
-from .httputil import dumps, parse_body, sse_response, unless_disconnected
+from .generation import Generation, abort_all, merge, start_for_client
+from .httputil import client_gone, dumps, json_unless_disconnected, parse_body, sse_response
 from .protocol import TGIGenerateRequest
 from .state import ServerState
 
@@ -80,16 +80,13 @@ class TGIHandler:
         if stream and body.parameters.decoder_input_details:
             raise bad_request("decoder_input_details == True is not supported when streaming tokens")
         state.metrics.requests.labels("generate_stream" if stream else "generate", state.metrics.label(lora)).inc()
-        generations = await unless_disconnected(request, start_all(
-            state.engine, [body.inputs], _params(body), lora, [f"generate-{uuid.uuid4().hex}"],
-            [state.metrics.tracker(lora)],
-        ))
-        if generations is None:  # the client went away while its requests were queued
-            return Response(status_code=499)
+        generations = await start_for_client(request, state, [body.inputs], _params(body), lora,
+                                             [f"generate-{uuid.uuid4().hex}"])
+        if generations is None:
+            return client_gone()
         if stream:
             return sse_response(self._events(body, generations), lambda: abort_all(generations))
-        response = await unless_disconnected(request, self._whole(body, generations))
-        return JSONResponse(response) if response is not None else Response(status_code=499)
+        return await json_unless_disconnected(request, self._whole(body, generations))
 
     def _token(self, token_id: int, text: str, position: PositionLogprobs | None) -> dict:
         special = token_id in self._special
