@@ -418,19 +418,19 @@ class LLMEngine:
         return outputs
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
-        """A step may stay in flight when the next can be scheduled before its tokens are read: it covers
-        every running sequence, and nothing waits or every running sequence ends by its length alone (so
-        the host knows which ones this step ends, and admits into their room as a synchronous engine
-        would); the sequences it samples for take plain greedy tokens (they stay plain greedy: the
-        sequences only grow), and no prompt logprobs are recorded (they read the step's hidden states
-        back). An eager step qualifies too: a long prompt's launch takes less time than its work."""
+        """A step may stay in flight when the next can be scheduled before its tokens are read, as a
+        synchronous engine would schedule it: it covers every running sequence, and every running sequence
+        ends by its length alone (so the host knows which ones this step ends, and admits into their room),
+        or nothing waits and the next step is a decode of the same sequences (`scheduler.schedule_decode`);
+        the sequences it samples for take plain greedy tokens (they stay plain greedy: the sequences only
+        grow), and it records no prompt logprobs (they read the step's hidden states back). An eager step
+        qualifies too: a long prompt's launch takes less time than its work."""
         scheduler = self.scheduler
         return (self.async_scheduling and len(scheduled) == len(scheduler.running)
-                and (not scheduler.waiting or self._endings_known())
+                and (self._endings_known() or not scheduler.waiting and all(item.samples for item in scheduled))
                 and all((not item.samples or is_plain_greedy(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
-                    and (item.num_new_tokens == 1 or item.seq.request.params.prompt_logprobs is None)
-                    for item in scheduled))
+                    and not _records_prompt_logprobs(item) for item in scheduled))
 
     def _endings_known(self) -> bool:
         """True when no running sequence can end but by its length (no EOS, stop token or stop string)."""
@@ -452,7 +452,7 @@ class LLMEngine:
             scheduler = self.scheduler
             if not scheduler.waiting or self._batch_stays_full():
                 plan = scheduler.schedule_decode()
-            if plan is None and (not scheduler.waiting or self._endings_known()) and scheduler.running_fit():
+            if plan is None and self._endings_known() and scheduler.running_fit():
                 for seq in [seq for seq in scheduler.running if self._ends_at_length(seq)]:
                     scheduler.retire(seq)
                 plan = scheduler.schedule()
@@ -654,6 +654,13 @@ def _completion(seq: Sequence) -> CompletionOutput:
 def _decodes_first(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
     """The step's sequences with one new token first (they share one batched decode attention), in order."""
     return sorted(scheduled, key=lambda item: item.num_new_tokens != 1)
+
+
+def _records_prompt_logprobs(item: ScheduledSequence) -> bool:
+    """True when the step computes prompt positions whose logprobs the request asked for (all but the last
+    prompt token predict one)."""
+    seq = item.seq
+    return seq.request.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
 
 
 def _device_tokens(scheduled: list[ScheduledSequence], previous: InFlightStep | None) -> DeviceTokens | None:

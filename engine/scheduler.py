@@ -251,16 +251,22 @@ class Scheduler:
         for seq in self.running:
             if seq.request.lora_request is not None:
                 running.setdefault(seq.lora_int_id, []).append(seq)
+        # only decoding sequences yield: one computing its prompt, or computing again what a preemption dropped,
+        # would lose that work if its KV went while it waits
         victims = [seqs for seqs in running.values() if len(seqs) <= count[pick]
-                   and all(seq.num_computed_tokens >= seq.num_prompt_tokens for seq in seqs)]
+                   and all(seq.num_uncomputed_tokens <= 1 for seq in seqs)]
         if not victims:
             return None
         victim = min(victims, key=lambda seqs: max(map(_steps_left, seqs)))
         if work[pick] - max(map(_steps_left, victim)) < self.suspend_margin:
             return None
-        # the KV cache holds max_num_seqs whole sequences: the suspended ones count
+        # the KV cache holds max_num_seqs whole sequences: the suspended ones count; and the taker's tokens must fit
+        # in free blocks, or admitting it would drop the KV the suspended ones keep
         holding = len(self.running) + sum(1 for seq in self.waiting if seq.block_table)
-        if holding + count[pick] > self.max_num_seqs or not slots.is_ready(lora_of[pick], False):
+        taker_blocks = sum(self._blocks_needed(seq, seq.num_uncomputed_tokens) for seq in self.waiting
+                           if seq.lora_int_id == pick)
+        if holding + count[pick] > self.max_num_seqs or taker_blocks > self.allocator.num_free \
+                or not slots.is_ready(lora_of[pick], False):
             return None
         return Suspension(victim, pick)
 
@@ -272,16 +278,29 @@ class Scheduler:
             self.waiting.append(seq)
         self.num_suspensions += 1
 
-    def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
-        """Drops suspended sequences' KV, then preempts the newest running sequences not yet scheduled,
-        until `needed` blocks are free; False when that took `seq` itself."""
+    def _drop_suspended_kv(self, needed: int, keep: Sequence | None = None) -> bool:
+        """Frees suspended sequences' KV blocks (but `keep`'s), the latest suspended first, until `needed` blocks
+        are free: they compute it again when they resume. True when `needed` blocks are free."""
         for suspended in reversed(self.waiting):
             if needed <= self.allocator.num_free:
                 return True
-            if suspended.block_table:
+            if suspended.block_table and suspended is not keep:
                 self.allocator.free(suspended.block_table)
                 suspended.num_computed_tokens = 0
                 self.num_preemptions += 1
+        return needed <= self.allocator.num_free
+
+    def _free_suspended_kv_for(self, seq: Sequence, needed: int) -> bool:
+        """Admitting `seq` needs `needed` blocks: suspended sequences' KV goes for it when that makes enough room
+        (else nothing frees it while nothing runs, and the engine stalls). True when `needed` blocks are free."""
+        held = sum(len(other.block_table) for other in self.waiting if other is not seq)
+        return self.allocator.num_free + held >= needed and self._drop_suspended_kv(needed, keep=seq)
+
+    def _make_room(self, seq: Sequence, needed: int, scheduled_ids: set[int], output: SchedulerOutput) -> bool:
+        """Drops suspended sequences' KV, then preempts the newest running sequences not yet scheduled,
+        until `needed` blocks are free; False when that took `seq` itself."""
+        if self._drop_suspended_kv(needed):
+            return True
         while needed > self.allocator.num_free:
             victim = next((s for s in reversed(self.running) if s.seq_id not in scheduled_ids), None)
             self._preempt(victim, output)
@@ -328,7 +347,7 @@ class Scheduler:
                     continue  # not ready: its weights are being read from disk; others go first meanwhile
             num_new = min(seq.num_uncomputed_tokens, budget)
             needed = self._blocks_needed(seq, num_new)
-            if needed > self.allocator.num_free:
+            if needed > self.allocator.num_free and not self._free_suspended_kv_for(seq, needed):
                 return starving
             if lora is not None:
                 slots.pin(lora)

@@ -30,11 +30,13 @@ def hf_llama(tiny_llama):
     return transformers.AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
 
 
-def run_to_completion(engine: LLMEngine) -> dict:
+def run_to_completion(engine: LLMEngine, max_steps: int = 10_000) -> dict:
     """Step until every request finishes; request id -> final RequestOutput."""
     finished = {}
-    while engine.has_unfinished_requests():
+    for _ in range(max_steps):
+        if not engine.has_unfinished_requests():
+            return finished
         for output in engine.step():
             if output.finished:
                 finished[output.request_id] = output
-    return finished
+    raise AssertionError(f"requests still unfinished after {max_steps} steps")

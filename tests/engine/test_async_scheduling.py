@@ -57,7 +57,10 @@ class Run:
         self.overlapped_admissions = 0  # of those, steps computing a prompt from its start
         execute = engine.runner.execute
 
+        self.forwards = 0
+
         def counting(scheduled, slots, device_tokens=None):
+            self.forwards += 1
             overlapped = device_tokens is not None
             self.overlapped_steps += overlapped
             self.overlapped_with_waiting += overlapped and bool(engine.scheduler.waiting)
@@ -266,6 +269,26 @@ def test_an_admitting_step_recording_prompt_logprobs_is_synchronous(engines, mon
     assert r.overlapped_steps == 5
 
 
+def arrivals_by_forward(engines, monkeypatch, arrivals) -> Run:
+    """Each engine gets each (forward, prompt, params) request before that many forwards, and runs to the end: the
+    same outputs, streamed consistently, the same admissions, and nothing kept. The overlapping engine's run."""
+    runs, finals = [], []
+    for engine in engines:
+        r = Run(engine, monkeypatch)
+        pending, ids = list(arrivals), []
+        while pending or engine.has_unfinished_requests():
+            while pending and pending[0][0] <= r.forwards:
+                ids.append(r.add(*pending.pop(0)[1:]))
+            r.step()
+        runs.append(r)
+        finals.append([r.final[i] for i in ids])
+        assert_streams_consistent(r)
+        assert_nothing_left(engine)
+    assert_same(*finals)
+    assert runs[1].admissions == runs[0].admissions
+    return runs[1]
+
+
 def test_every_prompt_chunk_stays_in_flight(tiny_llama, monkeypatch):
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=5),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=5))
@@ -273,6 +296,27 @@ def test_every_prompt_chunk_stays_in_flight(tiny_llama, monkeypatch):
     compare(engines, monkeypatch, [(PROMPTS[1], greedy(6))])
     num_prompt = len(engines[1].tokenize(PROMPTS[1]))
     assert launched == [5] * (num_prompt // 5) + [num_prompt % 5] * bool(num_prompt % 5)
+
+
+@pytest.mark.parametrize("budget", [1, 2])
+def test_one_token_prompt_chunks_record_their_prompt_logprobs(tiny_llama, monkeypatch, budget):
+    """A chunk that records prompt logprobs is synchronous, even of one token beside decode rows."""
+    engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=budget),
+               make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=budget))
+    r = arrivals_by_forward(engines, monkeypatch, [(0, [7], greedy(5)),
+                                                   (2, list(range(100, 110)), greedy(2, prompt_logprobs=0))])
+    assert len(r.final[max(r.final, key=int)].prompt_logprobs) == 10
+
+
+def test_a_prompt_chunked_beside_a_sequence_that_may_end_by_eos_is_admitted_as_in_sync_mode(tiny_llama, monkeypatch):
+    """The EOS ending a sequence in the step in flight is not known yet: the step after it is scheduled once it is
+    read, or the prompt beside it would get a token fewer (and a later request its room a step late)."""
+    engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_seqs=2, max_num_batched_tokens=4),
+               make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_seqs=2,
+                           max_num_batched_tokens=4))
+    arrivals_by_forward(engines, monkeypatch, [(0, EOS_PROMPT, greedy(20, ignore_eos=False)),
+                                               (9, list(range(100, 120)), greedy(4)), (14, [5, 6], greedy(8)),
+                                               (14, [8, 9], greedy(3))])
 
 
 @pytest.fixture(scope="module")

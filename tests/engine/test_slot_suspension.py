@@ -121,3 +121,33 @@ def test_a_suspended_sequences_kv_goes_before_a_running_sequence_is_preempted(ti
     assert seq.num_computed_tokens == 0 and engine.scheduler.num_preemptions == 1
     assert [s.request.lora_request.lora_name for s in engine.scheduler.running] == [b.lora_name]
     run_to_completion(engine)
+
+
+def test_a_suspended_sequences_kv_goes_for_a_waiting_prompt_when_nothing_runs(tiny_llama, adapters):
+    """Nothing else would free it: the engine stalled with the prompt waiting forever."""
+    a, b, _ = adapters
+    engine = one_slot_engine(tiny_llama, adapters, block_size=4, num_kv_blocks=8, max_num_seqs=4, suspend_margin=1)
+    first = engine.add_request([10, 11, 12, 13], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), a)
+    engine.step()
+    engine.add_request([20, 21, 22, 23], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), b)
+    engine.step()
+    engine.step()
+    assert engine.scheduler.num_suspensions == 1 and engine.requests[first].sequences[0].block_table
+    engine.add_request(list(range(30, 60)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # 8 blocks
+    outputs = run_to_completion(engine, max_steps=500)
+    assert all(output.finished for output in outputs.values()) and len(outputs) == 3
+    assert engine.allocator.num_free == engine.allocator.num_blocks
+
+
+def test_adapters_sharing_one_slot_on_a_small_cache_do_not_take_it_from_each_other_forever(tiny_llama, adapters):
+    """A sequence computing its prompt, or again the tokens a preemption dropped, is never suspended, and no adapter
+    takes a slot when its prompt does not fit beside the suspended sequences' KV: adapters yielding the slot to each
+    other kept dropping each other's KV and computed the same tokens over and over, without end."""
+    engine = one_slot_engine(tiny_llama, adapters, block_size=4, num_kv_blocks=9, max_num_seqs=6, max_model_len=32,
+                             max_num_batched_tokens=2, suspend_margin=1)
+    for prompt, max_tokens, lora in [(range(10, 25), 13, adapters[0]), (range(40, 46), 6, adapters[1]),
+                                     (range(70, 76), 10, adapters[2])]:
+        engine.add_request(list(prompt), SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), lora)
+    outputs = run_to_completion(engine, max_steps=600)
+    assert sorted(len(output.outputs[0].token_ids) for output in outputs.values()) == [6, 10, 13]
+    assert engine.scheduler.num_preemptions <= 2
