@@ -1,6 +1,6 @@
 """Async scheduling against the synchronous engine on random workloads: the same final outputs, admissions and
 preemptions at the same point, and nothing left behind, whatever the engine's limits, the requests' sampling and
-endings, their arrivals and aborts. (A differential fuzz found this session's in-flight admission defects.)"""
+endings, their arrivals and aborts."""
 from __future__ import annotations
 
 import random
