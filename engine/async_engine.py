@@ -70,8 +70,7 @@ class AsyncEngine:
         return self.call(self.engine.stats)
 
     def lora_status(self) -> dict:
-        manager = self.engine.lora_manager
-        return self.call(manager.status) if manager is not None else {}
+        return self.call(self.engine.lora_status)
 
     def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
         self.call(lambda: self.engine.add_lora(lora_request, adapter))

@@ -8,6 +8,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
@@ -43,6 +44,9 @@ from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 from .step_input import DeviceTokens, host_to_device
 from .warmup import warm_up_decode_attention, warm_up_eager_steps, warm_up_greedy
+
+if TYPE_CHECKING:
+    from .lora_manager import LoRAResidency
 
 logger = logging.getLogger("loraserve.engine")
 
@@ -333,6 +337,13 @@ class LLMEngine:
         """Unload an adapter: new requests for it fail; those already queued or running finish with it."""
         if self.lora_manager is not None:
             self.lora_manager.remove(lora_int_id)
+
+    def lora_status(self) -> dict[int, LoRAResidency]:
+        """Each adapter's residency (`LoRAManager.status`), unloaded ones listed while any unfinished request,
+        queued ones too, uses them."""
+        if self.lora_manager is None:
+            return {}
+        return self.lora_manager.status(in_use={request.lora_int_id for request in self.requests.values()})
 
     def _release_unloaded_adapter(self, request: Request) -> None:
         """An unloaded adapter's last request ended: its slot and host copy (or a read still landing) go now."""

@@ -273,10 +273,11 @@ class LoRAManager:
         return self.slot_owner.index(lora_request.lora_int_id)
 
     # ---- reporting ------------------------------------------------------------------------
-    def status(self) -> dict[int, LoRAResidency]:
-        """Known adapters, and unloaded ones while running sequences still use them: their slot goes with the
-        last, and they must not vanish from what counts running requests per adapter before that."""
-        unloaded = {i for i in self.pins if i in self.removed}
+    def status(self, in_use: Iterable[int] = ()) -> dict[int, LoRAResidency]:
+        """Known adapters, and unloaded ones while requests still use them (running ones, which pin them, and
+        those of `in_use`: queued and preempted requests pin nothing): they must not vanish from what counts
+        requests per adapter before their last one ends."""
+        unloaded = {i for i in self.pins if i in self.removed} | (set(in_use) & self.removed)
         return {i: LoRAResidency(slot=self.slot_owner.index(i) if i in self.slot_owner else None,
                                  in_cpu=i in self.host, running=self.pins[i], unloaded=i in unloaded)
                 for i in sorted(set(self.known) | unloaded)}

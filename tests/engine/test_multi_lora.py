@@ -184,6 +184,21 @@ def test_unload_lets_running_requests_finish_then_frees_everything(tiny_llama, a
         engine.add_request(PROMPTS[0], PARAMS, lora)
 
 
+def test_an_unloaded_adapter_stays_in_the_status_while_a_queued_request_uses_it(tiny_llama, adapters):
+    """A queued request pins nothing, yet it will run with the adapter: per-adapter views must keep counting it."""
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_seqs=1)
+    engine, lora = llm.engine, adapters[2]
+    engine.add_request(PROMPTS[0], PARAMS)  # runs first and fills the batch
+    engine.step()
+    engine.add_request(PROMPTS[1], PARAMS, lora)
+    engine.remove_lora(lora.lora_int_id)
+    residency = engine.lora_status()[lora.lora_int_id]
+    assert residency.unloaded and residency.running == 0
+    run_to_completion(engine)
+    assert lora.lora_int_id not in engine.lora_status()
+
+
 def test_reload_in_place_gives_new_weights_to_new_requests_only(tiny_llama, adapters, reference):
     llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=16)
     engine = llm.engine
