@@ -22,6 +22,17 @@ logger = logging.getLogger("loraserve.server")
 _REPLACEMENT_CHAR = "\ufffd"  # what a token holding part of a character decodes to alone
 
 
+def _cut_to(texts: list[str], text: str) -> list[str]:
+    """Token texts cut where `text` ends when they run past it (a stop sequence ending inside a token)."""
+    if not "".join(texts).startswith(text):
+        return texts
+    cut, room = [], len(text)
+    for piece in texts:
+        cut.append(piece[:room])
+        room -= len(cut[-1])
+    return cut
+
+
 def _tgi_error(exc: APIError) -> JSONResponse:
     kind = "validation" if exc.status < 500 else "generation"
     return JSONResponse({"error": exc.message, "error_type": kind}, status_code=exc.status)
@@ -110,7 +121,17 @@ class TGIHandler:
         alone = self._texts_alone(completion)
         if "".join(alone) == completion.text and not any(_REPLACEMENT_CHAR in text for text in alone):
             return alone
-        return self._texts_in_context(output.prompt_token_ids, completion.token_ids)
+        return _cut_to(self._texts_in_context(output.prompt_token_ids, completion.token_ids), completion.text)
+
+    def _new_texts(self, output, start: int, text: str) -> list[str] | None:
+        """The own texts of an output's tokens since `start` when it brings several (the engine sends a request's
+        last two together), decoded in context, if they add up to its new `text`; else None (the new text then
+        goes to the last of them)."""
+        token_ids = output.outputs[0].token_ids
+        if len(token_ids) - start < 2:
+            return None
+        texts = self._texts_in_context(output.prompt_token_ids, token_ids)[start:]
+        return texts if "".join(texts) == text else None
 
     def _texts_alone(self, completion) -> list[str]:
         """Each token's text decoded alone, as the engine did for its logprobs (TGI's requests ask for them);
@@ -170,13 +191,14 @@ class TGIHandler:
             async for _, output in merge(generations):
                 completion = output.outputs[0]
                 text = completion.text[sent_text:]
-                tokens = self._tokens(completion, sent_tokens)
+                tokens = self._tokens(completion, sent_tokens, self._new_texts(output, sent_tokens, text))
                 sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
-                target = next((token for token in reversed(tokens) if not token["special"]), None)
-                if target is None and held is not None:
-                    target = held["token"]
-                if target is not None:
-                    target["text"] += text
+                if "".join(token["text"] for token in tokens) != text:
+                    target = next((token for token in reversed(tokens) if not token["special"]), None)
+                    if target is None and held is not None:
+                        target = held["token"]
+                    if target is not None:
+                        target["text"] += text
                 for token in tokens:
                     if held is not None:
                         yield dumps(held)

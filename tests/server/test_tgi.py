@@ -67,6 +67,29 @@ def test_generate_details_give_each_token_the_text_the_stream_gives_it(http):
     assert [(t["id"], t["text"]) for t in whole["details"]["tokens"]] == [(t["id"], t["text"]) for t in streamed]
 
 
+def _details_and_stream(http, inputs: str, parameters: dict) -> tuple[dict, list[tuple[int, str]]]:
+    whole = http.post("/generate", json={"inputs": inputs, "parameters": {**parameters, "details": True}}).json()
+    with http.stream("POST", "/generate_stream", json={"inputs": inputs, "parameters": parameters}) as response:
+        return whole, [(event["token"]["id"], event["token"]["text"]) for event in _events(response)]
+
+
+def test_generate_stream_gives_each_of_the_last_two_tokens_its_own_text(http):
+    """The engine sends a request's last two tokens in one output; the text they bring is not all the last one's."""
+    whole, streamed = _details_and_stream(http, "Hello caf\u00e9 \u4e16\u754c",
+                                          {"max_new_tokens": 12, "do_sample": True, "seed": 1, "temperature": 1.5})
+    assert all(text for _, text in streamed[-2:])  # the sampled reply ends in two tokens of whole characters
+    assert [(t["id"], t["text"]) for t in whole["details"]["tokens"]] == streamed
+
+
+def test_generate_details_cut_the_token_texts_where_a_stop_sequence_ends_inside_a_token(http):
+    whole, streamed = _details_and_stream(http, "Hello caf\u00e9 \u4e16\u754c", {
+        "max_new_tokens": 12, "do_sample": True, "seed": 0, "temperature": 1.5, "stop": ["e"]})
+    assert whole["details"]["finish_reason"] == "stop_sequence"
+    details = [(t["id"], t["text"]) for t in whole["details"]["tokens"]]
+    assert "".join(text for _, text in details) == whole["generated_text"]
+    assert details == streamed
+
+
 def test_generate_details_take_the_token_texts_the_engine_decoded(http, monkeypatch):
     """The engine decoded each token for its logprobs: tokens of whole characters are not decoded a second time."""
     decoded_again = []
