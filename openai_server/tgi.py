@@ -182,8 +182,9 @@ class TGIHandler:
 
     async def _events(self, body: TGIGenerateRequest, generations: list[Generation]) -> AsyncIterator[str]:
         """One event per token; the last carries `generated_text` and `details`. Events lag one token so
-        the final one can be completed once the engine says the request is finished. New text goes to the last
-        new token that is not special, else to the event held back: TGI clients skip special tokens' text."""
+        the final one can be completed once the engine says the request is finished. Tokens that come together get
+        their own texts (`_new_texts`); otherwise new text goes to the last new token that is not special, else to
+        the event held back: TGI clients skip special tokens' text."""
         held: dict | None = None
         sent_text = sent_tokens = 0
         count = 0
