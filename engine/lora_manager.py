@@ -37,7 +37,7 @@ class LoRAResidency:
     slot: int | None  # device slot, or None when not resident
     in_cpu: bool  # a host copy is cached
     running: int  # running sequences using it
-    unloaded: bool = False  # unloaded: listed only while running sequences still use it
+    unloaded: bool = False  # unloaded: listed only while requests still use it
 
 
 class LoRAManager:

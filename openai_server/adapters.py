@@ -55,7 +55,7 @@ class AdapterService:
         self.allowed_dirs = allowed_dirs
         self._lock = asyncio.Lock()
         self.created = int(time.time())
-        # unloaded (or replaced in place) adapters, listed while running requests still use them
+        # unloaded (or replaced in place) adapters, listed while requests (queued or running) still use them
         self._unloaded: dict[int, AdapterEntry] = {}
 
     @property
@@ -72,15 +72,14 @@ class AdapterService:
         return lora_request(entry)
 
     def served(self) -> list[tuple[AdapterEntry, LoRAResidency | None]]:
-        """Registered adapters, then unloaded ones whose running requests have not ended (forgotten once they have),
-        each with its residency: requests that run count per adapter until they end."""
+        """Registered adapters, then unloaded ones whose requests have not ended (forgotten once they have: the
+        engine then stops listing them), each with its residency: requests count per adapter until they end."""
         status = self.engine.lora_status()
         for int_id in list(self._unloaded):
             if int_id not in status:
-                self._unloaded.pop(int_id, None)
+                del self._unloaded[int_id]
         registered = [(entry, status.get(entry.int_id)) for entry in self.registry.list()]
-        unloaded = [(entry, status[entry.int_id]) for entry in list(self._unloaded.values()) if entry.int_id in status]
-        return registered + unloaded
+        return registered + [(entry, status[entry.int_id]) for entry in self._unloaded.values()]
 
     def model_cards(self) -> list[dict]:
         """One card per name of the base model (as vLLM lists every served name), then one per adapter."""

@@ -126,16 +126,25 @@ class ResponseFormat(_Body):
     type: str
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(_Body):
+    """How the chat template renders a request's messages (vLLM's names): chat completions and /tokenize."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict | None = None
+
+    def _check_template_flags(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     max_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict | None = None
 
     @model_validator(mode="after")
     def _check(self):
@@ -143,32 +152,28 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs can only be set when logprobs is true")
         if self.response_format is not None and self.response_format.type != "text":
             raise ValueError(f"response_format type {self.response_format.type!r} is not supported")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        self._check_template_flags()
         return self
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's /tokenize: a completion prompt, or chat messages rendered by the chat template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True  # for a prompt; messages get the special tokens their template writes
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _check(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give either prompt or messages")
-        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
-            raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        if self.messages is not None:
+            self._check_template_flags()
         return self
 
 

@@ -192,9 +192,10 @@ class TGIHandler:
             async for _, output in merge(generations):
                 completion = output.outputs[0]
                 text = completion.text[sent_text:]
-                tokens = self._tokens(completion, sent_tokens, self._new_texts(output, sent_tokens, text))
+                own_texts = self._new_texts(output, sent_tokens, text)
+                tokens = self._tokens(completion, sent_tokens, own_texts)
                 sent_text, sent_tokens = len(completion.text), len(completion.token_ids)
-                if "".join(token["text"] for token in tokens) != text:
+                if own_texts is None:
                     target = next((token for token in reversed(tokens) if not token["special"]), None)
                     if target is None and held is not None:
                         target = held["token"]
