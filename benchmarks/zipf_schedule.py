@@ -29,8 +29,9 @@ admissions run over the step in flight, 797-800 before; its adapter reads take w
 first steps wait for them). No order can do much better: an adapter holds its slot for at least 129 steps (its
 prefill and 128 decodes), and 173 adapters in 32 slots put 6 of them in one slot, so at least 774 steps; the
 decode rows cost the same in any order, and the prompt tokens' 6.8 s too, so the rest is 5.3 ms per step.
-Unless adapters yield their slots mid-way: with `--suspend-margin 32` (EngineConfig.suspend_margin), balanced
-takes 733 steps (52 suspensions), 13.05 s; the engine itself on the CPU (`serving.py --shape small --device cpu`,
+Unless adapters yield their slots mid-way, as balanced admission's suspension does by default
+(EngineConfig.suspend_margin, 32 steps; the figures above are with `--suspend-margin off`): 733 steps (52
+suspensions), 13.05 s; the engine itself on the CPU (`serving.py --shape small --device cpu`,
 async scheduling forced) 716 steps and 54 suspensions, as here with reads of one step.
 """
 from __future__ import annotations

@@ -46,9 +46,9 @@ class EngineConfig:
     # adapter slot to the adapter that fills the batch best; see engine/scheduler.py)
     admission_order: str = "fcfs"
     # balanced only: an adapter with this many fewer steps left than a waiting one yields its slot to it, keeping
-    # its KV blocks (None: never; see Scheduler._suspension). Off by default: on the H200's workload (d) it gained
-    # on two Zipf seeds of three and lost on the third (BENCHMARKS.md, twentieth session)
-    suspend_margin: int | None = None
+    # its KV blocks (None: never; see Scheduler._suspension). On the H200's workload (d), +0.4% to +2.2% on three
+    # Zipf seeds since admission runs over the step in flight (BENCHMARKS.md, twenty-second session)
+    suspend_margin: int | None = 32
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "half", "float"):

@@ -14,7 +14,7 @@ Zipf picks, 784 and 795 steps where it had run 909 and 914 before its reads ahea
 (nineteenth session). The offline `LLM` admits so by default; the engine and the server keep arrival order,
 which online clients see as fairness. Given a `suspend_margin`, balanced admission also suspends: with every slot
 busy, an adapter whose sequences are near their end yields its slot to a waiting adapter with far more work left,
-and its sequences keep their KV blocks to resume later (`_suspension`; off by default, see BENCHMARKS.md).
+and its sequences keep their KV blocks to resume later (`_suspension`; `EngineConfig.suspend_margin`).
 """
 from __future__ import annotations
 
@@ -228,10 +228,9 @@ class Scheduler:
         resume where they stopped. An adapter holds its slot for as long as its longest sequence runs, so
         without this, many adapters on few slots end in a last wave that holds only a few of them
         (workload (d): 173 adapters on 32 slots need 6 waves of 129 steps, the last with 13 adapters);
-        `benchmarks/zipf_schedule.py` takes 733 steps instead of 794 with it. A suspension that is due unblocks
-        admission (`admission_blocked`), so async scheduling reads back the step in flight and schedules afresh:
-        each one costs that step's overlap. (Waiting for a fresh schedule instead, (d) on the H200 suspended
-        only 4 or 5 times and gained nothing.)"""
+        `benchmarks/zipf_schedule.py` takes 733 steps instead of 794 with it, and the H200 718 instead of 776.
+        A suspension that is due unblocks admission (`admission_blocked`), so the next step schedules afresh:
+        over the step in flight when every running sequence ends by its length, else after reading it back."""
         slots = self.adapter_slots
         if self.suspend_margin is None or slots is None or not self.waiting or slots.takeable_slots():
             return None

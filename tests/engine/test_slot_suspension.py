@@ -94,6 +94,20 @@ def test_no_suspension_when_the_work_left_differs_by_less_than_the_margin(tiny_l
     assert engine.scheduler.num_suspensions == 0
 
 
+def test_the_offline_llm_suspends_by_default(tiny_llama, adapters):
+    """`LLM` admits in the balanced order with a margin of 32 steps: the short request's adapter yields its slot."""
+    from engine import LLM
+
+    a, b, _ = adapters
+    engine = LLM(str(tiny_llama), device="cpu", enable_lora=True, max_lora_rank=4, max_loras=1,
+                 max_cpu_loras=len(adapters)).engine
+    short = engine.add_request("Hello there", SHORT, a)
+    run_until_short_is_nearly_done(engine, short)
+    engine.add_request("Hello there", LONG, b)
+    run_to_completion(engine)
+    assert engine.scheduler.num_suspensions == 1
+
+
 def test_arrival_order_never_suspends(tiny_llama, adapters):
     a, b, _ = adapters
     engine = make_engine(tiny_llama, enable_lora=True, max_lora_rank=4, max_loras=1, admission_order="fcfs",
