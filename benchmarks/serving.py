@@ -236,6 +236,8 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     sync()
     start = time.perf_counter()
+    if engine.lora_manager is not None:  # the batch's adapters checked together, as `LLM.generate` does
+        engine.lora_manager.ensure_loaded(lora for lora in loras if lora is not None)
     for prompt, lora in zip(batch, loras):
         engine.add_request(prompt, params, lora)
     add_seconds = time.perf_counter() - start

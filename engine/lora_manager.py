@@ -125,16 +125,31 @@ class LoRAManager:
             self._host_row(lora_request)
 
     def ensure_loaded(self, lora_requests: Iterable[LoRARequest]) -> None:
-        """Check adapters before requests for them are queued, so bad ones fail here. Only the config
-        and the weight file's header are read: the weights follow when the scheduler wants them."""
+        """Check adapters before requests for them are queued, so bad ones fail here (the first bad one in order
+        raises). Only the config and the weight file's header are read: the weights follow when the scheduler
+        wants them. With reader processes, several adapters are checked at once in them (an offline batch naming
+        many adapters: workload (d)'s 173 took 0.27-0.44 s of the H200 host's time one by one)."""
+        unknown: dict[int, LoRARequest] = {}
         for lora_request in lora_requests:
             if lora_request.lora_int_id in self.removed:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} has been unloaded")
-            if self.known.get(lora_request.lora_int_id) != lora_request:
-                self._check_identity(lora_request)
+            if self.known.get(lora_request.lora_int_id) != lora_request and \
+                    unknown.get(lora_request.lora_int_id) != lora_request:
+                self._check_identity(lora_request, unknown)
+                unknown[lora_request.lora_int_id] = lora_request
+        checks = self._checks_in_processes(list(unknown.values())) if len(unknown) > 1 else {}
+        for int_id, lora_request in unknown.items():
+            check = checks.get(int_id)
+            if check is None or check.exception() is not None:  # checked here again: the reader itself may have failed
                 check_adapter(lora_request.lora_path, self.model_info, allow_pickle=self.allow_pickle)
-                self._drop_host_copy(lora_request.lora_int_id)
-                self.known[lora_request.lora_int_id] = lora_request
+            self._drop_host_copy(int_id)
+            self.known[int_id] = lora_request
+
+    def _checks_in_processes(self, lora_requests: list[LoRARequest]) -> dict[int, Future]:
+        """The adapters' checks started in the reader processes, by adapter id; none without them."""
+        if self._process_reader is None:
+            return {}
+        return {lora.lora_int_id: self._process_reader.check(lora.lora_path) for lora in lora_requests}
 
     def remove(self, lora_int_id: int) -> None:
         """Unload: new requests fail now; the slot and host copy go once no running request uses it."""
@@ -153,8 +168,9 @@ class LoRAManager:
             future, row, _ = self._reads[lora_int_id]
             self._reads[lora_int_id] = (future, row, None)
 
-    def _check_identity(self, lora_request: LoRARequest) -> None:
-        other = self.known.get(lora_request.lora_int_id)
+    def _check_identity(self, lora_request: LoRARequest, also: dict[int, LoRARequest] | None = None) -> None:
+        """An adapter id names one adapter: among those known, and `also` (a batch being checked)."""
+        other = self.known.get(lora_request.lora_int_id) or (also or {}).get(lora_request.lora_int_id)
         if other is not None and (other.lora_name, other.lora_path) != (lora_request.lora_name,
                                                                         lora_request.lora_path):
             raise ValueError(f"lora_int_id {lora_request.lora_int_id} already names adapter "

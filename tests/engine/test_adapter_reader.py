@@ -87,6 +87,69 @@ def test_a_failed_read_in_the_child_is_the_futures_error(engine, loras, tmp_path
         reader.close()
 
 
+def test_a_childs_check_passes_a_good_adapter_and_fails_a_bad_one_with_its_error(engine, loras, tmp_path):
+    layout = SlotLayout(engine.model.lora_layers(), 16)
+    pool = torch.full((1, layout.numel), float("nan")).share_memory_()
+    reader = ProcessReader(pool, layout, engine.model_info, allow_pickle=False)
+    try:
+        assert reader.check(loras[0].lora_path).result(timeout=60) is None
+        with pytest.raises(AdapterError, match="adapter_config.json"):
+            reader.check(tmp_path).result(timeout=60)
+    finally:
+        reader.close()
+    assert pool.isnan().all()  # a check writes no row
+
+
+@pytest.fixture
+def checks_on_the_engine_thread(monkeypatch):
+    """The adapters `check_adapter` checked in this process (the reader's children are processes of their own)."""
+    import engine.lora_manager as lora_manager
+
+    checked = []
+
+    def check(path, model, **kwargs):
+        checked.append(Path(path).name)
+        return lora_manager_check(path, model, **kwargs)
+
+    lora_manager_check = lora_manager.check_adapter
+    monkeypatch.setattr(lora_manager, "check_adapter", check)
+    return checked
+
+
+def process_reading_llm(tiny_llama) -> LLM:
+    return LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+               adapter_reader="process")
+
+
+def test_an_offline_batch_has_its_adapters_checked_in_the_reader_processes(tiny_llama, loras,
+                                                                           checks_on_the_engine_thread):
+    llm = process_reading_llm(tiny_llama)
+    outputs = llm.generate(PROMPTS[:3], PARAMS, lora_request=loras, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [8, 8, 8]
+    assert checks_on_the_engine_thread == []
+
+
+def test_an_offline_batch_checked_in_processes_fails_with_its_first_bad_adapters_error(tiny_llama, loras, tmp_path,
+                                                                                        checks_on_the_engine_thread):
+    llm = process_reading_llm(tiny_llama)
+    (tmp_path / "empty").mkdir()
+    bad = [LoRARequest("empty", 11, str(tmp_path / "empty")), LoRARequest("missing", 12, str(tmp_path / "missing"))]
+    with pytest.raises(AdapterError, match="empty"):
+        llm.generate(PROMPTS[:4], PARAMS, lora_request=[loras[0], *bad, loras[1]], use_tqdm=False)
+    assert checks_on_the_engine_thread == ["empty"]  # a failure is checked again here, and raised from here
+    assert not llm.engine.has_unfinished_requests()
+    known = llm.engine.lora_manager.known
+    assert loras[0].lora_int_id in known and bad[0].lora_int_id not in known and loras[1].lora_int_id not in known
+
+
+def test_one_adapter_id_naming_two_adapters_in_one_checked_batch_is_refused(tiny_llama, loras):
+    manager = process_reading_llm(tiny_llama).engine.lora_manager
+    clash = LoRARequest("other", loras[0].lora_int_id, loras[1].lora_path)
+    with pytest.raises(ValueError, match="already names adapter 'a0'"):
+        manager.ensure_loaded([loras[0], clash])
+    assert loras[0].lora_int_id not in manager.known
+
+
 def _kill_readers() -> None:
     import multiprocessing
 
