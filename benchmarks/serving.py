@@ -231,9 +231,10 @@ def _pause_summary(pauses: list[tuple[int, float]]) -> dict:
 
 
 def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int,
-            timeline_to: Path | None = None) -> dict:
-    """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+            timeline_to: Path | None = None, ignore_eos: bool = True) -> dict:
+    """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls.
+    ignore_eos=False: sequences may end by a token, as chat traffic does (the random model rarely samples one)."""
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
     sync()
     start = time.perf_counter()
     if engine.lora_manager is not None:  # the batch's adapters checked together, as `LLM.generate` does
@@ -246,12 +247,14 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     phases = time_phases(engine) if timeline_to is not None else {}
     before = first = engine.stats()
     suspensions = engine.scheduler.num_suspensions
+    tokens = 0
     with collector_pauses() as pauses, kernel_compiles(timeline) as compiles:
         while engine.has_unfinished_requests():
             prefilled = all(s.num_computed_tokens >= s.num_prompt_tokens for s in engine.scheduler.running)
             t = time.perf_counter()
-            engine.step()
+            outputs = engine.step()
             wall = time.perf_counter() - t
+            tokens += sum(len(output.outputs[0].token_ids) for output in outputs if output.finished)
             after = engine.stats()
             decode_only = prefilled and after.num_waiting == before.num_waiting  # nothing admitted or preempted
             batch_sizes.append(after.num_running)
@@ -270,7 +273,6 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
     untime_phases(engine)
     if timeline_to is not None:
         timeline_to.write_text(json.dumps(timeline))
-    tokens = len(batch) * output_len
     return dict(seconds=elapsed, output_tokens=tokens, tok_per_s=tokens / elapsed, steps=len(timeline),
                 median_decode_step_ms=1e3 * statistics.median(decode_walls) if decode_walls else None,
                 add_seconds=add_seconds, mean_running=statistics.mean(batch_sizes),
@@ -618,6 +620,8 @@ def main() -> None:
                                                               out / "profile_base_b64.txt")
             RESULTS["decode_base_b64"]["floor_ms"] = bytes_floor_ms(engine, 64, args.prompt_len + 32, 0, bandwidth)
             log(f"decode base b64: {RESULTS['decode_base_b64']}")
+            RESULTS["a_base_eos"] = offline(engine, batch, [None] * len(batch), args.output_len, ignore_eos=False)
+            log(f"(a) base, sequences that may end by EOS: {RESULTS['a_base_eos']}")
             if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
                 engine.async_scheduling = False
                 RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)

@@ -392,9 +392,12 @@ class LLMEngine:
         Async scheduling: a greedy step is left in flight; the next step is scheduled and launched
         first, its decode rows' input ids taken on the device from the in-flight tokens, and only then
         are the in-flight tokens read back and appended. The outputs are the same, one step later; a
-        sequence that ended in the step read back had one more token computed, which is dropped. When
-        the next step cannot be scheduled before the tokens are read (a running sequence may end by a
-        token while requests wait; a preemption is due), the step in flight is drained first."""
+        sequence that ended in the step read back had one more token computed, which is dropped. A
+        sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
+        next step is scheduled: that step computes a row for it, and the room it leaves is admitted into a
+        step later than a synchronous engine would (as vLLM's async scheduling does); one ending by its
+        length makes room at once. When the next step cannot be scheduled before the tokens are read (a
+        preemption is due), the step in flight is drained first."""
         if self._in_flight is not None:
             return self._step_after_in_flight()
         plan = self.scheduler.schedule()
@@ -429,27 +432,14 @@ class LLMEngine:
         return outputs
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
-        """A step may stay in flight when the next can be scheduled before its tokens are read, as a
-        synchronous engine would schedule it: it covers every running sequence, and every running sequence
-        ends by its length alone (so the host knows which ones this step ends, and admits into their room),
-        or nothing waits and the next step is a decode of the same sequences (`scheduler.schedule_decode`);
-        the sequences it samples for take plain greedy tokens (they stay plain greedy: the sequences only
-        grow), and it records no prompt logprobs (they read the step's hidden states back). An eager step
-        qualifies too: a long prompt's launch takes less time than its work."""
-        scheduler = self.scheduler
-        return (self.async_scheduling and len(scheduled) == len(scheduler.running)
-                and (self._endings_known() or not scheduler.waiting and all(item.samples for item in scheduled))
+        """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
+        running sequence, the sequences it samples for take plain greedy tokens (they stay plain greedy: the
+        sequences only grow), and it records no prompt logprobs (they read the step's hidden states back). An
+        eager step qualifies too: a long prompt's launch takes less time than its work."""
+        return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)
                 and all((not item.samples or is_plain_greedy(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
                     and not _records_prompt_logprobs(item) for item in scheduled))
-
-    def _endings_known(self) -> bool:
-        """True when no running sequence can end but by its length (no EOS, stop token or stop string)."""
-        for seq in self.scheduler.running:
-            params = seq.request.params
-            if not params.ignore_eos or params.stop_token_ids or params.stop:
-                return False
-        return True
 
     def drain(self) -> list[RequestOutput]:
         """Read back the step in flight, if any, and return its outputs: afterwards every sequence's
@@ -461,10 +451,11 @@ class LLMEngine:
         plan = None
         if self.async_scheduling:  # may be switched off live
             scheduler = self.scheduler
-            if not scheduler.waiting or self._batch_stays_full():
+            ending = [seq for seq in scheduler.running if self._ends_at_length(seq)]
+            if not scheduler.waiting or not ending:  # a decode of the same sequences, unless room opens
                 plan = scheduler.schedule_decode()
-            if plan is None and self._endings_known() and scheduler.running_fit():
-                for seq in [seq for seq in scheduler.running if self._ends_at_length(seq)]:
+            if plan is None and scheduler.running_fit():
+                for seq in ending:
                     scheduler.retire(seq)
                 plan = scheduler.schedule()
         if plan is None:  # drain, and schedule afresh next step
@@ -480,12 +471,6 @@ class LLMEngine:
         # launched before `previous` is read, then sampled here once it is
         result = self.runner.execute(scheduled, self._adapter_slots(scheduled), _device_tokens(scheduled, previous))
         return list(self._complete(scheduled, result, self._read_back(previous)).values())
-
-    def _batch_stays_full(self) -> bool:
-        """True when no running sequence can end by the step in flight (by its token: no EOS, stop
-        token or length; by a stop string matched when the token before is detokenized): a synchronous
-        engine would find the same running sequences here, so a full batch would admit none either."""
-        return self._endings_known() and not any(map(self._ends_at_length, self.scheduler.running))
 
     def _ends_at_length(self, seq: Sequence) -> bool:
         """True when the sequence's last token (a placeholder when in flight) reaches max_tokens or the context."""

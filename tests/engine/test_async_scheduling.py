@@ -269,9 +269,10 @@ def test_an_admitting_step_recording_prompt_logprobs_is_synchronous(engines, mon
     assert r.overlapped_steps == 5
 
 
-def arrivals_by_forward(engines, monkeypatch, arrivals) -> Run:
+def arrivals_by_forward(engines, monkeypatch, arrivals, *, same_admissions: bool = True) -> Run:
     """Each engine gets each (forward, prompt, params) request before that many forwards, and runs to the end: the
-    same outputs, streamed consistently, the same admissions, and nothing kept. The overlapping engine's run."""
+    same outputs, streamed consistently, the same admissions (unless a sequence ending by a token makes room a step
+    later in the overlapping engine), and nothing kept. The overlapping engine's run."""
     runs, finals = [], []
     for engine in engines:
         r = Run(engine, monkeypatch)
@@ -285,7 +286,8 @@ def arrivals_by_forward(engines, monkeypatch, arrivals) -> Run:
         assert_streams_consistent(r)
         assert_nothing_left(engine)
     assert_same(*finals)
-    assert runs[1].admissions == runs[0].admissions
+    if same_admissions:
+        assert runs[1].admissions == runs[0].admissions
     return runs[1]
 
 
@@ -308,15 +310,18 @@ def test_one_token_prompt_chunks_record_their_prompt_logprobs(tiny_llama, monkey
     assert len(r.final[max(r.final, key=int)].prompt_logprobs) == 10
 
 
-def test_a_prompt_chunked_beside_a_sequence_that_may_end_by_eos_is_admitted_as_in_sync_mode(tiny_llama, monkeypatch):
-    """The EOS ending a sequence in the step in flight is not known yet: the step after it is scheduled once it is
-    read, or the prompt beside it would get a token fewer (and a later request its room a step late)."""
+def test_prompts_chunked_beside_a_sequence_ending_by_eos_give_the_synchronous_tokens(tiny_llama, monkeypatch):
+    """The EOS ending a sequence in the step in flight is not known when the next step is scheduled: that step
+    computes a row for it (so the prompt chunked beside it gets a token fewer) and a later request takes its room a
+    step late, as in vLLM; the steps never wait for the one in flight."""
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_seqs=2, max_num_batched_tokens=4),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_seqs=2,
                            max_num_batched_tokens=4))
-    arrivals_by_forward(engines, monkeypatch, [(0, EOS_PROMPT, greedy(20, ignore_eos=False)),
-                                               (9, list(range(100, 120)), greedy(4)), (14, [5, 6], greedy(8)),
-                                               (14, [8, 9], greedy(3))])
+    r = arrivals_by_forward(engines, monkeypatch, [(0, EOS_PROMPT, greedy(20, ignore_eos=False)),
+                                                   (9, list(range(100, 120)), greedy(4)), (14, [5, 6], greedy(8)),
+                                                   (14, [8, 9], greedy(3))], same_admissions=False)
+    assert r.final[min(r.final, key=int)].outputs[0].finish_reason == "stop"
+    assert r.drains == 0
 
 
 @pytest.fixture(scope="module")
@@ -347,10 +352,26 @@ def test_a_sequence_ending_at_the_context_end_makes_room_without_draining(tiny_l
 
 @pytest.mark.parametrize("may_end", [{"ignore_eos": False}, {"stop": [STOP_STRING]}, {"stop_token_ids": [7]}],
                          ids=["eos", "stop-string", "stop-token"])
-def test_a_full_batch_that_may_end_any_step_does_not_overlap_while_requests_wait(full_engines, monkeypatch,
-                                                                                   may_end):
-    _, r = compare(full_engines, monkeypatch, [(p, greedy(4 + 3 * i, **may_end)) for i, p in enumerate(PROMPTS)])
-    assert r.overlapped_with_waiting == 0
+def test_a_full_batch_that_may_end_any_step_overlaps_while_requests_wait(full_engines, monkeypatch, may_end):
+    """Sequences that may end by a token, or by a stop string, do not make the engine wait for the step in flight
+    before it admits: a request takes the room of one ending by a token a step later than in sync mode."""
+    _, r = compare(full_engines, monkeypatch, [(p, greedy(4 + 3 * i, **may_end)) for i, p in enumerate(PROMPTS)],
+                   same_admissions=False)
+    assert r.overlapped_with_waiting >= 5 and r.overlapped_admissions == len(PROMPTS) - 2
+    assert r.drains == 0
+
+
+def test_a_request_takes_the_room_of_a_sequence_ended_by_eos_a_step_late(full_engines, monkeypatch):
+    """The one place the overlapping engine differs from sync mode: the EOS is read after the next step is launched
+    (with a row for the ended sequence, its token dropped), so the waiting request is admitted one forward later."""
+    requests = [(EOS_PROMPT, greedy(20, ignore_eos=False)), (PROMPTS[1], greedy(20)), (PROMPTS[2], greedy(3))]
+    beside = tuple(full_engines[0].tokenize(PROMPTS[1]))
+    progress = []  # how far the sequence running beside had got when the waiting request was admitted
+    for engine in full_engines:
+        outputs, r = run(engine, monkeypatch, requests)
+        assert outputs[0].outputs[0].finish_reason == "stop" and len(outputs[0].outputs[0].token_ids) < 20
+        progress.append(next(computed for prompt, _, computed in r.admissions[-1] if prompt == beside))
+    assert progress[1] == progress[0] + 1
 
 
 def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
