@@ -231,10 +231,11 @@ def _pause_summary(pauses: list[tuple[int, float]]) -> dict:
 
 
 def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int,
-            timeline_to: Path | None = None, ignore_eos: bool = True) -> dict:
+            timeline_to: Path | None = None, **sampling) -> dict:
     """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls.
-    ignore_eos=False: sequences may end by a token, as chat traffic does (the random model rarely samples one)."""
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=ignore_eos)
+    sampling: SamplingParams fields over greedy `ignore_eos` (ignore_eos=False: sequences may end by a token, as
+    chat traffic does; the random model rarely samples one)."""
+    params = SamplingParams(**{"temperature": 0, "max_tokens": output_len, "ignore_eos": True, **sampling})
     sync()
     start = time.perf_counter()
     if engine.lora_manager is not None:  # the batch's adapters checked together, as `LLM.generate` does
@@ -622,10 +623,16 @@ def main() -> None:
             log(f"decode base b64: {RESULTS['decode_base_b64']}")
             RESULTS["a_base_eos"] = offline(engine, batch, [None] * len(batch), args.output_len, ignore_eos=False)
             log(f"(a) base, sequences that may end by EOS: {RESULTS['a_base_eos']}")
+            RESULTS["a_base_sampled"] = offline(engine, batch, [None] * len(batch), args.output_len,
+                                                temperature=0.8, top_p=0.95)
+            log(f"(a) base, random sampling: {RESULTS['a_base_sampled']}")
             if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
                 engine.async_scheduling = False
                 RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)
                 log(f"(a) base, synchronous steps: {RESULTS['a_base_sync']}")
+                RESULTS["a_base_sampled_sync"] = offline(engine, batch, [None] * len(batch), args.output_len,
+                                                         temperature=0.8, top_p=0.95)
+                log(f"(a) base, random sampling, synchronous steps: {RESULTS['a_base_sampled_sync']}")
                 RESULTS["decode_base_b64_sync"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
                 log(f"decode base b64, synchronous steps: {RESULTS['decode_base_b64_sync']}")
                 engine.async_scheduling = True
