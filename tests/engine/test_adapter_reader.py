@@ -105,13 +105,12 @@ def checks_on_the_engine_thread(monkeypatch):
     """The adapters `check_adapter` checked in this process (the reader's children are processes of their own)."""
     import engine.lora_manager as lora_manager
 
-    checked = []
+    checked, original = [], lora_manager.check_adapter
 
     def check(path, model, **kwargs):
         checked.append(Path(path).name)
-        return lora_manager_check(path, model, **kwargs)
+        return original(path, model, **kwargs)
 
-    lora_manager_check = lora_manager.check_adapter
     monkeypatch.setattr(lora_manager, "check_adapter", check)
     return checked
 
