@@ -623,15 +623,17 @@ def main() -> None:
             log(f"decode base b64: {RESULTS['decode_base_b64']}")
             RESULTS["a_base_eos"] = offline(engine, batch, [None] * len(batch), args.output_len, ignore_eos=False)
             log(f"(a) base, sequences that may end by EOS: {RESULTS['a_base_eos']}")
-            RESULTS["a_base_sampled"] = offline(engine, batch, [None] * len(batch), args.output_len,
-                                                temperature=0.8, top_p=0.95)
-            log(f"(a) base, random sampling: {RESULTS['a_base_sampled']}")
+            RESULTS["a_base_sampled"] = offline(engine, batch, [None] * len(batch), args.output_len, temperature=0.8)
+            log(f"(a) base, random sampling (drawn on the device): {RESULTS['a_base_sampled']}")
+            RESULTS["a_base_sampled_top_p"] = offline(engine, batch, [None] * len(batch), args.output_len,
+                                                      temperature=0.8, top_p=0.95)
+            log(f"(a) base, random sampling with top-p: {RESULTS['a_base_sampled_top_p']}")
             if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
                 engine.async_scheduling = False
                 RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)
                 log(f"(a) base, synchronous steps: {RESULTS['a_base_sync']}")
                 RESULTS["a_base_sampled_sync"] = offline(engine, batch, [None] * len(batch), args.output_len,
-                                                         temperature=0.8, top_p=0.95)
+                                                         temperature=0.8)
                 log(f"(a) base, random sampling, synchronous steps: {RESULTS['a_base_sampled_sync']}")
                 RESULTS["decode_base_b64_sync"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
                 log(f"decode base b64, synchronous steps: {RESULTS['decode_base_b64_sync']}")

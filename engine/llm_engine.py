@@ -35,6 +35,7 @@ from .sampler import (
     Sampler,
     SamplingRow,
     compute_logprobs,
+    draws_on_device,
     gather_logprobs,
     is_plain_greedy,
     make_generator,
@@ -58,7 +59,7 @@ _DTYPES = {"float32": torch.float32, "float": torch.float32, "bfloat16": torch.b
 
 @dataclass
 class InFlightStep:
-    """A greedy step launched but whose tokens the host has not read (async scheduling)."""
+    """A step launched but whose tokens (drawn on the device) the host has not read (async scheduling)."""
 
     seqs: list[Sequence]  # one per sampled row, in order
     tokens: PendingTokens | None  # None when it samples for no sequence (prompt chunks only)
@@ -389,9 +390,10 @@ class LLMEngine:
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
         by one step.
 
-        Async scheduling: a greedy step is left in flight; the next step is scheduled and launched
-        first, its decode rows' input ids taken on the device from the in-flight tokens, and only then
-        are the in-flight tokens read back and appended. The outputs are the same, one step later; a
+        Async scheduling: a step whose tokens are drawn on the device (greedy; or temperature, top-k
+        and min-p: `draws_on_device`) is left in flight; the next step is scheduled and launched first,
+        its decode rows' input ids taken on the device from the in-flight tokens, and only then are the
+        in-flight tokens read back and appended. The outputs are the same, one step later; a
         sequence that ended in the step read back had one more token computed, which is dropped. A
         sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
         next step is scheduled: that step computes a row for it, and the room it leaves is admitted into a
@@ -433,11 +435,12 @@ class LLMEngine:
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
-        running sequence, the sequences it samples for take plain greedy tokens (they stay plain greedy: the
-        sequences only grow), and it records no prompt logprobs (they read the step's hidden states back). An
-        eager step qualifies too: a long prompt's launch takes less time than its work."""
+        running sequence, the sequences it samples for take tokens drawn on the device (`draws_on_device`: greedy,
+        or temperature, top-k and min-p; they keep doing so: the sequences only grow), and it records no prompt
+        logprobs (they read the step's hidden states back). An eager step qualifies too: a long prompt's launch
+        takes less time than its work."""
         return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)
-                and all((not item.samples or is_plain_greedy(
+                and all((not item.samples or draws_on_device(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
                     and not _records_prompt_logprobs(item) for item in scheduled))
 
@@ -479,8 +482,8 @@ class LLMEngine:
 
     def _launch_in_flight(self, scheduled: list[ScheduledSequence],
                           previous: InFlightStep | None) -> list[RequestOutput]:
-        """Launch a greedy step, decode rows first (their inputs from `previous`'s tokens on the device),
-        then read `previous` back while the device computes it; the step stays in flight."""
+        """Launch a step whose tokens are drawn on the device, decode rows first (their inputs from `previous`'s
+        tokens on the device), then read `previous` back while the device computes it; the step stays in flight."""
         result = self.runner.execute(scheduled, self._adapter_slots(scheduled), _device_tokens(scheduled, previous))
         sampling = [(start + item.num_new_tokens - 1, item.seq)
                     for start, item in zip(result.starts, scheduled) if item.samples]
@@ -488,7 +491,7 @@ class LLMEngine:
         tokens = None
         if sampling:
             rows = [row for row, _ in sampling]
-            tokens = self.sampler.greedy_pending(self.model.compute_logits(_take_rows(result.hidden, rows)))
+            tokens = self._sample_pending(self.model.compute_logits(_take_rows(result.hidden, rows)), seqs)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)})
@@ -554,6 +557,12 @@ class LLMEngine:
         if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
             return self.sampler.greedy(logits)
         return self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
+
+    def _sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens:
+        """_sample's tokens left on the device, for sequences that all `draws_on_device`."""
+        if all(seq.request.params.is_greedy for seq in seqs):
+            return self.sampler.greedy_pending(logits)
+        return self.sampler.pending(logits, [self._sampling_row(seq) for seq in seqs])
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         request = seq.request

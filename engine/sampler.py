@@ -13,6 +13,7 @@ import torch
 
 from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
+from engine.step_input import host_to_device
 from kernels.greedy import greedy
 
 _UINT64 = (1 << 64) - 1
@@ -40,7 +41,7 @@ class SampledToken:
 
 
 class PendingTokens:
-    """One step's greedy tokens: on the device for the next step's inputs, and on their way to
+    """One step's tokens (greedy, or drawn on the device): on the device for the next step's inputs, and on their way to
     page-locked host memory, so reading them waits for this step's work alone (a .tolist() would
     also wait for every step launched after it)."""
 
@@ -154,6 +155,17 @@ class Sampler:
         return PendingTokens(token_ids, logprobs, host)
 
     @torch.no_grad()
+    def pending(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingTokens:
+        """__call__'s tokens and logprobs for rows that all `draws_on_device`, left on the device like
+        greedy_pending's: nothing here waits for the device, so a step can stay in flight."""
+        if not all(draws_on_device(row.params, len(row.output_token_ids)) for row in rows):
+            raise ValueError("pending() takes only rows whose tokens are drawn on the device (draws_on_device)")
+        raw = logits[:, : self.vocab_size].float()
+        token_ids = self._choose(self.process_logits(raw, rows), rows)
+        host = self._host_buffers.take(token_ids.shape[0]) if token_ids.is_cuda else None
+        return PendingTokens(token_ids, _chosen_logprobs(raw, token_ids), host)
+
+    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         if logits.shape[0] != len(rows):
             raise ValueError(f"got logits for {logits.shape[0]} sequences but {len(rows)} sampling rows")
@@ -247,20 +259,22 @@ class Sampler:
     # -- choosing ------------------------------------------------------------------------
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Host lists reach the device through `host_to_device`, here and below, so that a draw does not wait
+        for the device (top-p's candidate search does: `draws_on_device`)."""
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         token_ids = logits.argmax(dim=-1)
         if not random_rows:
             return token_ids
-        sampled = self._sample(logits[random_rows], [rows[i] for i in random_rows])
-        token_ids[torch.tensor(random_rows, device=logits.device)] = sampled
-        return token_ids
+        index = host_to_device(random_rows, logits.device)
+        sampled = self._sample(logits.index_select(0, index), [rows[i] for i in random_rows])
+        return token_ids.index_copy_(0, index, sampled)
 
     def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in rows], device=device)[:, None]
+        temperature = host_to_device([r.params.temperature for r in rows], device, torch.float32)[:, None]
         logits = logits / temperature
         if any(r.params.min_p > 0 for r in rows):  # before top-k and top-p, as in vLLM's V1 sampler
-            min_p = torch.tensor([r.params.min_p for r in rows], device=device)[:, None]
+            min_p = host_to_device([r.params.min_p for r in rows], device, torch.float32)[:, None]
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
         logits = _top_k(logits, rows, logits.shape[-1])
@@ -270,8 +284,7 @@ class Sampler:
     # -- reporting -----------------------------------------------------------------------
 
     def _report(self, raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
-        chosen = raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
-        ids, logprobs = token_ids.tolist(), chosen.tolist()
+        ids, logprobs = token_ids.tolist(), _chosen_logprobs(raw, token_ids).tolist()
         result = [SampledToken(token_id, lp) for token_id, lp in zip(ids, logprobs)]
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         if wanted:
@@ -290,9 +303,21 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token is the raw argmax and only its raw logprob is reported: greedy, and no
     allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalty or top logprobs apply (then
     Sampler.greedy serves it)."""
-    return (params.is_greedy and not params.logit_bias and params.logprobs is None
-            and not params.allowed_token_ids and not params.bad_words
-            and num_output_tokens >= params.min_tokens and not _has_penalty(params))
+    return params.is_greedy and draws_on_device(params, num_output_tokens)
+
+
+def draws_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
+    """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): no logits
+    processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties), no top logprobs, and
+    greedy or a draw shaped by temperature, top-k and min-p alone (top-p's candidate search reads a count back)."""
+    return (not params.logit_bias and params.logprobs is None and not params.allowed_token_ids
+            and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params)
+            and (params.is_greedy or params.top_p >= 1.0))
+
+
+def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Each row's chosen token's log-probability under the raw logits (float32)."""
+    return raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
 
 
 def _bad_word_ends(row: SamplingRow) -> list[int]:
@@ -330,11 +355,11 @@ def _top_k(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.T
     selected = [i for i, k in enumerate(ks) if 0 < k < vocab]
     if not selected:
         return logits
-    k = torch.tensor([ks[i] for i in selected], device=logits.device)[:, None]
-    sub = logits[selected]
+    k = host_to_device([ks[i] for i in selected], logits.device)[:, None]
+    index = host_to_device(selected, logits.device)
+    sub = logits.index_select(0, index)
     kth = sub.topk(max(ks[i] for i in selected), dim=-1).values.gather(1, k - 1)
-    logits[selected] = sub.masked_fill(sub < kth, float("-inf"))
-    return logits
+    return logits.index_copy_(0, index, sub.masked_fill(sub < kth, float("-inf")))
 
 
 def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
@@ -383,7 +408,8 @@ def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | No
         noise.uniform_()
     else:
         if unseeded:
-            noise[unseeded] = torch.rand(len(unseeded), probs.shape[-1], device=probs.device)
+            noise.index_copy_(0, host_to_device(unseeded, probs.device),
+                              torch.rand(len(unseeded), probs.shape[-1], device=probs.device))
         for i, generator in enumerate(generators):
             if generator is not None:
                 noise[i].uniform_(generator=generator)

@@ -49,8 +49,9 @@ def random_case(seed: int) -> tuple[dict, list[tuple], list[tuple]]:
         for key, value, chance in [("prompt_logprobs", 1, 0.1), ("logprobs", 2, 0.1), ("n", 2, 0.1)]:
             if rng.random() < chance:
                 params[key] = value
-        if rng.random() < 0.1:
-            params.update(temperature=1.0, seed=rng.randrange(1000))
+        if rng.random() < 0.15:  # a seeded draw: on the device, or with top-p's candidate search on the host
+            params.update(temperature=1.0, seed=rng.randrange(1000),
+                          **rng.choice([{}, {"top_k": 5}, {"min_p": 0.05}, {"top_p": 0.9}]))
         adapter = rng.randrange(3) if config.get("enable_lora") and rng.random() < 0.75 else None
         requests.append((forward, prompt, params, adapter))
     if rng.random() < 0.4:  # a cache that holds little more than the longest request: preemptions
