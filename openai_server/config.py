@@ -119,8 +119,9 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("cudagraph_mode", "On CUDA: full_and_piecewise replays decode steps whole and mixed steps piece by "
             "piece, with attention between the pieces; full_decode_only runs mixed steps eagerly "
             "(default full_and_piecewise).", choices=CUDAGRAPH_MODES),
-    _Option("async_scheduling", "On CUDA with graphs, launch a greedy decode step before the previous step's "
-            "tokens are read back (default on; --no-async-scheduling turns it off).", "bool"),
+    _Option("async_scheduling", "On CUDA with graphs, launch the next step before the previous step's tokens "
+            "are read back, when they are drawn on the device (greedy; temperature, top-k, min-p) (default on; "
+            "--no-async-scheduling turns it off).", "bool"),
     _Option("seed", "Engine random seed (default 0).", "int"),
     _Option("enable_lora", "Serve LoRA adapters (switched on by itself when adapters are given).", "bool"),
     _Option("lora_modules", "vLLM-style adapters: NAME=PATH or JSON {\"name\",\"path\",\"base_model_name\"}; "
