@@ -142,11 +142,25 @@ def test_an_offline_batch_checked_in_processes_fails_with_its_first_bad_adapters
 
 
 def test_one_adapter_id_naming_two_adapters_in_one_checked_batch_is_refused(tiny_llama, loras):
+    """As if checked one by one: the adapters before the clash are known afterwards."""
     manager = process_reading_llm(tiny_llama).engine.lora_manager
     clash = LoRARequest("other", loras[0].lora_int_id, loras[1].lora_path)
     with pytest.raises(ValueError, match="already names adapter 'a0'"):
-        manager.ensure_loaded([loras[0], clash])
-    assert loras[0].lora_int_id not in manager.known
+        manager.ensure_loaded([loras[0], loras[2], clash, loras[1]])
+    assert {loras[0].lora_int_id, loras[2].lora_int_id} <= set(manager.known)
+    assert loras[1].lora_int_id not in manager.known
+
+
+@pytest.mark.parametrize("reader", ["threads", "process"])
+def test_a_bad_adapter_before_an_unloaded_one_in_a_batch_fails_with_its_own_error(tiny_llama, loras, tmp_path, reader):
+    llm = LLM(str(tiny_llama), dtype="float32", device="cpu", enable_lora=True, max_loras=1, max_lora_rank=16,
+              adapter_reader=reader)
+    llm.engine.add_lora(loras[1])
+    llm.engine.remove_lora(loras[1].lora_int_id)
+    (tmp_path / "empty").mkdir()
+    bad = LoRARequest("empty", 50, str(tmp_path / "empty"))
+    with pytest.raises(AdapterError, match="adapter_config.json"):
+        llm.engine.lora_manager.ensure_loaded([loras[0], bad, loras[1]])
 
 
 def _kill_readers() -> None:

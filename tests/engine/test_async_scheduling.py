@@ -106,7 +106,9 @@ def run(engine, monkeypatch, requests) -> tuple[list, Run]:
 
 
 def summary(output) -> tuple:
-    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, pytest.approx(c.cumulative_logprob, abs=1e-4))
+    """The tokens exactly; the cumulative logprob to float32 noise (the rows a step computes differ between the
+    engines: a review's fuzz saw 2e-4 over 14 tokens where the async engine computed wasted rows)."""
+    return [(c.token_ids, c.text, c.finish_reason, c.stop_reason, pytest.approx(c.cumulative_logprob, abs=1e-3))
             for c in output.outputs], output.prompt_logprobs
 
 
