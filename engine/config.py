@@ -35,8 +35,9 @@ class EngineConfig:
     # CUDA graphs (vLLM's names): "full_and_piecewise" captures whole decode steps and the pieces of mixed
     # steps between attentions (engine/piecewise_graphs.py); "full_decode_only" runs mixed steps eagerly
     cudagraph_mode: str = "full_and_piecewise"
-    # launch each step before reading the previous one's greedy tokens back, so the host's scheduling and
-    # bookkeeping overlap the GPU (with CUDA graphs, one process; otherwise steps are synchronous)
+    # launch each step before reading the previous one's tokens back when they are drawn on the device
+    # (sampler.draws_on_device), so the host's scheduling and bookkeeping overlap the GPU (with CUDA graphs, one
+    # process; otherwise steps are synchronous)
     async_scheduling: bool = True
     async_scheduling_eager: bool = False  # overlap without CUDA graphs too (CPU tests: the same code, no gain)
     tensor_parallel_size: int = 1  # ranks (one process and one GPU each) the model is sharded over

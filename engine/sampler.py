@@ -41,9 +41,9 @@ class SampledToken:
 
 
 class PendingTokens:
-    """One step's tokens (greedy, or drawn on the device): on the device for the next step's inputs, and on their way to
-    page-locked host memory, so reading them waits for this step's work alone (a .tolist() would
-    also wait for every step launched after it)."""
+    """One step's tokens drawn on the device (greedy or not): there for the next step's inputs, and on their way
+    to page-locked host memory, so reading them waits for this step's work alone (a .tolist() would also wait
+    for every step launched after it)."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
                  host: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -150,9 +150,7 @@ class Sampler:
     def greedy_pending(self, logits: torch.Tensor) -> PendingTokens:
         """greedy's tokens left on the device, their copy to the host started but not waited for. Read
         each one's result() before asking for the one after next (they share host buffers)."""
-        token_ids, logprobs = greedy(logits, self.vocab_size)
-        host = self._host_buffers.take(token_ids.shape[0]) if token_ids.is_cuda else None
-        return PendingTokens(token_ids, logprobs, host)
+        return self._left_on_device(*greedy(logits, self.vocab_size))
 
     @torch.no_grad()
     def pending(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingTokens:
@@ -162,8 +160,11 @@ class Sampler:
             raise ValueError("pending() takes only rows whose tokens are drawn on the device (draws_on_device)")
         raw = logits[:, : self.vocab_size].float()
         token_ids = self._choose(self.process_logits(raw, rows), rows)
+        return self._left_on_device(token_ids, _chosen_logprobs(raw, token_ids))
+
+    def _left_on_device(self, token_ids: torch.Tensor, logprobs: torch.Tensor) -> PendingTokens:
         host = self._host_buffers.take(token_ids.shape[0]) if token_ids.is_cuda else None
-        return PendingTokens(token_ids, _chosen_logprobs(raw, token_ids), host)
+        return PendingTokens(token_ids, logprobs, host)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:

@@ -229,8 +229,8 @@ class Scheduler:
         without this, many adapters on few slots end in a last wave that holds only a few of them
         (workload (d): 173 adapters on 32 slots need 6 waves of 129 steps, the last with 13 adapters);
         `benchmarks/zipf_schedule.py` takes 733 steps instead of 794 with it, and the H200 718 instead of 776.
-        A suspension that is due unblocks admission (`admission_blocked`), so the next step schedules afresh:
-        over the step in flight when every running sequence ends by its length, else after reading it back."""
+        A suspension that is due unblocks admission (`admission_blocked`), so the next step schedules afresh, over
+        the step in flight unless a preemption is due."""
         slots = self.adapter_slots
         if self.suspend_margin is None or slots is None or not self.waiting or slots.takeable_slots():
             return None
