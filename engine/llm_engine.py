@@ -390,8 +390,8 @@ class LLMEngine:
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
         by one step.
 
-        Async scheduling: a step whose tokens are drawn on the device (greedy; or temperature, top-k
-        and min-p: `draws_on_device`) is left in flight; the next step is scheduled and launched first,
+        Async scheduling: a step whose tokens are drawn on the device (greedy; or temperature, top-k,
+        min-p and top-p: `draws_on_device`) is left in flight; the next step is scheduled and launched first,
         its decode rows' input ids taken on the device from the in-flight tokens, and only then are the
         in-flight tokens read back and appended. The outputs are the same, one step later; a
         sequence that ended in the step read back had one more token computed, which is dropped. A
@@ -436,7 +436,7 @@ class LLMEngine:
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
         running sequence, the sequences it samples for take tokens drawn on the device (`draws_on_device`: greedy,
-        or temperature, top-k and min-p; they keep doing so: the sequences only grow), and it records no prompt
+        or temperature, top-k, min-p and top-p; they keep doing so: the sequences only grow), and it records no prompt
         logprobs (they read the step's hidden states back). An eager step qualifies too: a long prompt's launch
         takes less time than its work."""
         return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)

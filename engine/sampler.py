@@ -309,11 +309,11 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
 
 def draws_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): no logits
-    processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties), no top logprobs, and
-    greedy or a draw shaped by temperature, top-k and min-p alone (top-p's candidate search reads a count back)."""
+    processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties) and no top logprobs.
+    Greedy, temperature, min-p, top-k and top-p draws all qualify (on a GPU, top-p sorts instead of reading a
+    count back: `_top_p`)."""
     return (not params.logit_bias and params.logprobs is None and not params.allowed_token_ids
-            and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params)
-            and (params.is_greedy or params.top_p >= 1.0))
+            and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params))
 
 
 def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -366,24 +366,34 @@ def _top_k(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.T
 def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Zeroes, in place, all but the smallest set of most likely tokens whose probability reaches top_p.
 
-    A full sort of the vocabulary is slow on the CPU, so the nucleus is looked for among the
-    most likely candidates first and the sort is only done for the rows where it is not there.
-    Which path a row takes depends on that row alone, so batch composition cannot change it.
+    On a GPU every selected row's vocabulary is sorted: nothing is read back, so a step drawing with top-p can stay
+    in flight (`draws_on_device`). A full sort is slow on the CPU, so there the nucleus is looked for among the
+    most likely candidates first and the sort is only done for the rows where it is not there (which reads a count
+    back). Which path a row takes depends on that row and the device alone, so batch composition cannot change it.
     """
     selected = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
     if not selected:
         return probs
-    sub = probs[selected]
-    top_p = torch.tensor([rows[i].params.top_p for i in selected], device=probs.device)[:, None]
+    index = host_to_device(selected, probs.device)
+    sub = probs.index_select(0, index)
+    top_p = host_to_device([rows[i].params.top_p for i in selected], probs.device, torch.float32)[:, None]
     vocab = sub.shape[-1]
-    candidates, candidate_ids = sub.topk(min(_NUCLEUS_CANDIDATES, vocab), dim=-1)
+    if probs.is_cuda:
+        kept = _keep_nucleus(*sub.sort(dim=-1, descending=True), top_p, vocab)
+    else:
+        kept = _nucleus_from_candidates(sub, top_p, vocab)
+    return probs.index_copy_(0, index, kept)
+
+
+def _nucleus_from_candidates(probs: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """_keep_nucleus of each row, from its most likely candidates where they reach top_p, else from a full sort."""
+    candidates, candidate_ids = probs.topk(min(_NUCLEUS_CANDIDATES, vocab), dim=-1)
     kept = _keep_nucleus(candidates, candidate_ids, top_p, vocab)
     outside = (candidates.sum(dim=-1) < top_p[:, 0]).nonzero().flatten()
     if len(outside):
-        ordered, order = sub[outside].sort(dim=-1, descending=True)
+        ordered, order = probs[outside].sort(dim=-1, descending=True)
         kept[outside] = _keep_nucleus(ordered, order, top_p[outside], vocab)
-    probs[selected] = kept
-    return probs
+    return kept
 
 
 def _keep_nucleus(ordered: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -377,18 +377,19 @@ def test_a_request_takes_the_room_of_a_sequence_ended_by_eos_a_step_late(full_en
 
 
 def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
-    requests = [(PROMPTS[0], greedy()), (PROMPTS[1], SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=16)),
+    requests = [(PROMPTS[0], greedy()),
+                (PROMPTS[1], SamplingParams(temperature=0.8, presence_penalty=0.5, seed=7, max_tokens=16)),
                 (PROMPTS[2], greedy(logprobs=2))]
     _, r = compare(engines, monkeypatch, requests)
     assert r.overlapped_steps == 0
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(temperature=1.0,
-                                                                                              min_p=0.05)],
-                         ids=["temperature", "top-k", "min-p"])
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.2, top_k=20),
+                                    dict(temperature=1.0, min_p=0.05), dict(temperature=1.0, top_p=0.9)],
+                         ids=["temperature", "top-k", "min-p", "top-p"])
 def test_steps_drawing_tokens_on_the_device_overlap_and_give_the_synchronous_tokens(engines, monkeypatch, params):
-    """Temperature, top-k and min-p need nothing from the host after the logits: such steps stay in flight as greedy
-    ones do, each seeded sequence drawing from its own generator in both engines (an unseeded one shares the
+    """Temperature, top-k, min-p and top-p need nothing from the host after the logits: such steps stay in flight as
+    greedy ones do, each seeded sequence drawing from its own generator in both engines (an unseeded one shares the
     global RNG, so it is not compared)."""
     requests = [(PROMPTS[0], greedy()), (PROMPTS[1], SamplingParams(seed=7, max_tokens=16, **params)),
                 (PROMPTS[2], SamplingParams(seed=11, max_tokens=10, n=2, **params))]

@@ -83,7 +83,7 @@ def test_plain_greedy_rows_are_those_the_general_path_leaves_at_the_raw_argmax(p
     (SamplingParams(temperature=0.0), 0, True),
     (SamplingParams(temperature=0.7, seed=1), 0, True),
     (SamplingParams(temperature=0.7, top_k=5, min_p=0.1), 0, True),
-    (SamplingParams(temperature=0.7, top_p=0.9), 0, False),
+    (SamplingParams(temperature=0.7, top_p=0.9), 0, True),
     (SamplingParams(temperature=0.7, logprobs=1), 0, False),
     (SamplingParams(temperature=0.7, min_tokens=3), 2, False),
     (SamplingParams(temperature=0.7, min_tokens=3), 3, True),
@@ -113,7 +113,21 @@ def test_pending_draws_what_a_call_draws_and_reports_the_same_logprobs(device):
 
 def test_pending_refuses_a_row_that_needs_the_host():
     with pytest.raises(ValueError, match="draws_on_device"):
-        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(temperature=0.7, top_p=0.9)])
+        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(temperature=0.7, logprobs=1)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
+@pytest.mark.parametrize("scale", [0.3, 3.0, 30.0], ids=["flat", "spread", "peaked"])
+def test_top_p_on_a_gpu_sorts_and_keeps_the_nucleus_the_cpus_candidate_search_keeps(scale):
+    from engine.sampler import _top_p
+
+    probs = (scale * torch.randn(6, 5000, generator=torch.Generator().manual_seed(3))).softmax(dim=-1)
+    rows = [row(temperature=1.0, top_p=p) for p in (0.5, 0.9, 0.95, 0.99, 1.0, 0.7)]
+    on_cpu = _top_p(probs.clone(), rows)
+    on_gpu = _top_p(probs.cuda(), rows).cpu()
+    assert torch.equal(on_gpu > 0, on_cpu > 0)
+    torch.testing.assert_close(on_gpu, on_cpu)
 
 
 def test_top_k_one_equals_greedy():
