@@ -1,13 +1,14 @@
 """The full sampler's cost per step (`engine.sampler.Sampler`), against the greedy path, at Llama-3's vocabulary.
 
 Serving's (a) with temperature 0.8 and top-p 0.95 took 13.0 ms a decode step on the H200 against 7.7 ms greedy
-(BENCHMARKS.md, twenty-second session). This times the sampler alone on one step's logits, and its parts, for flat
-and peaked distributions: `--scales` are the logits' standard deviations (a random-weight model's logits are
-nearly flat; a trained model's are peaked, so its top-p nucleus is among the few hundred candidates `_top_p`
-searches before it sorts the whole vocabulary). Each figure is the median wall time of `--repeats` calls, the
-device synchronized around each.
+(BENCHMARKS.md, twenty-second session). This times the sampler alone on one step's logits, and its top-p filter
+(`kernels.top_p`) for flat and peaked distributions: `--scales` are the logits' standard deviations (a
+random-weight model's logits are nearly flat; a trained model's are peaked, so its top-p nucleus is among the few
+hundred candidates the torch path searches before it sorts the whole vocabulary). On CUDA the Triton filter is
+also timed with each of `--probes` thresholds tested per pass. Each figure is the median wall time of
+`--repeats` calls, the device synchronized around each.
 
-    python benchmarks/sampler.py [--rows 32 128] [--scales 0.5 8] [--device cuda] [--out DIR]
+    python benchmarks/sampler.py [--rows 32 128] [--scales 0.5 8] [--probes 1 3 7 15] [--device cuda] [--out DIR]
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.sampler import Sampler, SamplingRow, _top_p  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from kernels.top_p import top_p_torch  # noqa: E402
 
 VOCAB = 128256
 
@@ -50,17 +52,28 @@ def nucleus_size(logits: torch.Tensor, temperature: float, top_p: float) -> floa
     return float(((probs.cumsum(dim=-1) - probs) < top_p).sum(dim=-1).float().mean())
 
 
-def case(rows: int, scale: float, device: torch.device, repeats: int, temperature: float, top_p: float) -> dict:
+def case(rows: int, scale: float, device: torch.device, repeats: int, temperature: float, top_p: float,
+         probes: list[int]) -> dict:
     generator = torch.Generator(device=device).manual_seed(0)
     logits = (scale * torch.randn(rows, VOCAB, generator=generator, device=device)).to(torch.bfloat16)
     sampler = Sampler(eos_token_ids=set(), vocab_size=VOCAB)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=16)
     sampled_rows = [SamplingRow(params, [1], []) for _ in range(rows)]
     probs = (logits.float() / temperature).softmax(dim=-1)
-    return dict(rows=rows, scale=scale, nucleus_tokens=round(nucleus_size(logits, temperature, top_p), 1),
-                greedy_ms=timed_ms(lambda: sampler.greedy(logits), device, repeats),
-                sampled_ms=timed_ms(lambda: sampler(logits, sampled_rows), device, repeats),
-                top_p_ms=timed_ms(lambda: _top_p(probs.clone(), sampled_rows), device, repeats))
+    index = torch.arange(rows, device=device)
+    top_ps = torch.full((rows,), top_p, device=device)
+    result = dict(rows=rows, scale=scale, nucleus_tokens=round(nucleus_size(logits, temperature, top_p), 1),
+                  greedy_ms=timed_ms(lambda: sampler.greedy(logits), device, repeats),
+                  sampled_ms=timed_ms(lambda: sampler(logits, sampled_rows), device, repeats),
+                  top_p_ms=timed_ms(lambda: _top_p(probs.clone(), sampled_rows), device, repeats),
+                  top_p_torch_ms=timed_ms(lambda: top_p_torch(probs.clone(), index, top_ps), device, repeats),
+                  clone_ms=timed_ms(lambda: probs.clone(), device, repeats))
+    if device.type == "cuda":
+        from kernels import top_p_triton
+
+        result["top_p_triton_ms"] = {p: timed_ms(lambda: top_p_triton.top_p_(probs.clone(), index, top_ps, probes=p),
+                                                 device, repeats) for p in probes}
+    return result
 
 
 def main() -> None:
@@ -69,20 +82,23 @@ def main() -> None:
     parser.add_argument("--scales", type=float, nargs="*", default=[0.5, 8.0])
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--probes", type=int, nargs="*", default=[1, 3, 7, 15])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device(args.device)
     results = []
-    print("| rows | logits std | nucleus tokens | greedy ms | temperature + top-p ms | of which `_top_p` ms |")
-    print("|---|---|---|---|---|---|")
+    print("| rows | logits std | nucleus tokens | greedy ms | temperature + top-p ms | of which `_top_p` ms "
+          "| torch top-p ms | a clone ms | Triton top-p ms by probes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
         for scale in args.scales:
-            r = case(rows, scale, device, args.repeats, args.temperature, args.top_p)
+            r = case(rows, scale, device, args.repeats, args.temperature, args.top_p, args.probes)
             results.append(r)
+            by_probes = ", ".join(f"{p}: {ms:.3f}" for p, ms in r.get("top_p_triton_ms", {}).items())
             print(f"| {rows} | {scale} | {r['nucleus_tokens']} | {r['greedy_ms']:.2f} | {r['sampled_ms']:.2f} "
-                  f"| {r['top_p_ms']:.2f} |", flush=True)
+                  f"| {r['top_p_ms']:.2f} | {r['top_p_torch_ms']:.2f} | {r['clone_ms']:.3f} | {by_probes} |", flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

@@ -15,10 +15,9 @@ from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 from engine.step_input import host_to_device
 from kernels.greedy import greedy
+from kernels.top_p import top_p_
 
 _UINT64 = (1 << 64) - 1
-# How many of the most likely tokens are searched for the top-p nucleus before falling back to a full sort.
-_NUCLEUS_CANDIDATES = 256
 
 
 @dataclass
@@ -310,8 +309,8 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
 def draws_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): no logits
     processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties) and no top logprobs.
-    Greedy, temperature, min-p, top-k and top-p draws all qualify (on a GPU, top-p sorts instead of reading a
-    count back: `_top_p`)."""
+    Greedy, temperature, min-p, top-k and top-p draws all qualify (on a GPU, top-p reads nothing back:
+    `kernels.top_p`)."""
     return (not params.logit_bias and params.logprobs is None and not params.allowed_token_ids
             and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params))
 
@@ -364,47 +363,13 @@ def _top_k(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.T
 
 
 def _top_p(probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Zeroes, in place, all but the smallest set of most likely tokens whose probability reaches top_p.
-
-    On a GPU every selected row's vocabulary is sorted: nothing is read back, so a step drawing with top-p can stay
-    in flight (`draws_on_device`). A full sort is slow on the CPU, so there the nucleus is looked for among the
-    most likely candidates first and the sort is only done for the rows where it is not there (which reads a count
-    back). Which path a row takes depends on that row and the device alone, so batch composition cannot change it.
-    """
+    """Zeroes, in place, the tokens outside each row's top-p nucleus (`kernels.top_p`: on a GPU nothing is read
+    back, so a step drawing with top-p can stay in flight)."""
     selected = [i for i, r in enumerate(rows) if r.params.top_p < 1.0]
     if not selected:
         return probs
-    index = host_to_device(selected, probs.device)
-    sub = probs.index_select(0, index)
-    top_p = host_to_device([rows[i].params.top_p for i in selected], probs.device, torch.float32)[:, None]
-    vocab = sub.shape[-1]
-    if probs.is_cuda:
-        kept = _keep_nucleus(*sub.sort(dim=-1, descending=True), top_p, vocab)
-    else:
-        kept = _nucleus_from_candidates(sub, top_p, vocab)
-    return probs.index_copy_(0, index, kept)
-
-
-def _nucleus_from_candidates(probs: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """_keep_nucleus of each row, from its most likely candidates where they reach top_p, else from a full sort."""
-    candidates, candidate_ids = probs.topk(min(_NUCLEUS_CANDIDATES, vocab), dim=-1)
-    kept = _keep_nucleus(candidates, candidate_ids, top_p, vocab)
-    outside = (candidates.sum(dim=-1) < top_p[:, 0]).nonzero().flatten()
-    if len(outside):
-        ordered, order = probs[outside].sort(dim=-1, descending=True)
-        kept[outside] = _keep_nucleus(ordered, order, top_p[outside], vocab)
-    return kept
-
-
-def _keep_nucleus(ordered: torch.Tensor, order: torch.Tensor, top_p: torch.Tensor, vocab: int) -> torch.Tensor:
-    """From probabilities sorted descending (and their token ids), a full-vocabulary row keeping the nucleus.
-
-    A token stays when the probability of the tokens ranked above it is still below top_p, so the
-    most likely token always stays.
-    """
-    above = ordered.cumsum(dim=-1) - ordered
-    full = torch.zeros(ordered.shape[0], vocab, device=ordered.device, dtype=ordered.dtype)
-    return full.scatter_(1, order, ordered.masked_fill(above >= top_p, 0.0))
+    top_p = host_to_device([rows[i].params.top_p for i in selected], probs.device, torch.float32)
+    return top_p_(probs, host_to_device(selected, probs.device), top_p)
 
 
 def _exponential_race(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:

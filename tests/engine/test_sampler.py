@@ -95,16 +95,17 @@ def test_rows_drawn_on_the_device_are_those_needing_no_host_work_after_the_logit
 
 
 def rows_drawn_on_the_device(device):
-    """Greedy, temperature, top-k and min-p rows, seeded and not; fresh generators each call."""
+    """Greedy, temperature, top-k, min-p and top-p rows, seeded and not; fresh generators each call."""
     return [row(temperature=0.0), row(temperature=0.8, generator=make_generator(5, 0, device)),
             row(temperature=1.2, top_k=7, generator=make_generator(5, 1, device)),
             row(temperature=1.0, min_p=0.05, generator=make_generator(9, 0, device)),
-            row(temperature=0.9, top_k=3, min_p=0.2, generator=make_generator(9, 1, device))]
+            row(temperature=0.9, top_k=3, min_p=0.2, generator=make_generator(9, 1, device)),
+            row(temperature=1.1, top_p=0.8, generator=make_generator(3, 0, device))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pending_draws_what_a_call_draws_and_reports_the_same_logprobs(device):
-    logits = random_logits(5, device=device)
+    logits = random_logits(6, device=device)
     sampler = Sampler({EOS}, VOCAB)
     drawn = sampler.pending(logits, rows_drawn_on_the_device(device)).result()
     called = sampler(logits, rows_drawn_on_the_device(device))
@@ -119,7 +120,7 @@ def test_pending_refuses_a_row_that_needs_the_host():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")
 @pytest.mark.parametrize("scale", [0.3, 3.0, 30.0], ids=["flat", "spread", "peaked"])
-def test_top_p_on_a_gpu_sorts_and_keeps_the_nucleus_the_cpus_candidate_search_keeps(scale):
+def test_top_p_on_a_gpu_keeps_the_nucleus_the_cpu_keeps(scale):
     from engine.sampler import _top_p
 
     probs = (scale * torch.randn(6, 5000, generator=torch.Generator().manual_seed(3))).softmax(dim=-1)

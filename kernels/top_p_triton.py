@@ -1,0 +1,70 @@
+"""Top-p filtering in Triton, without sorting: each row's nucleus threshold is found by searching its bits.
+
+A full-vocabulary sort (what the torch path falls back to, and what a sync-free torch path would need for
+every row) took 2.6 ms at 128 rows of Llama-3's 128k vocabulary on an H200. Here the mass above a candidate
+threshold t (the sum of the row's probabilities greater than t) only falls as t grows, and non-negative
+float32 values order as their bit patterns do, so the smallest t whose mass above is below top_p is found by
+searching the integers between 0.0's bits and 1.0's: each pass over the row tests PROBES thresholds at once
+and keeps the interval between the last that failed and the first that passed. A last pass zeroes the
+tokens below the threshold. One program per row; its row stays in L2 between passes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK = 1024
+NUM_WARPS = 8
+# Thresholds tested per pass: 7 narrow the interval 8-fold (10 passes over 1.0's 2^30 bit patterns).
+PROBES = 7
+ONE_BITS = 0x3F800000
+
+
+@triton.jit
+def _mass_above(base, num_cols, thresholds, BLOCK: tl.constexpr, PROBES_POW2: tl.constexpr):
+    """For each threshold, the sum of the row's values greater than it."""
+    mass = tl.zeros([PROBES_POW2], dtype=tl.float32)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, num_cols, BLOCK):
+        cols = start + offs
+        x = tl.load(base + cols, mask=cols < num_cols, other=0.0)
+        mass += tl.sum(tl.where(x[None, :] > thresholds[:, None], x[None, :], 0.0), 1)
+    return mass
+
+
+@triton.jit
+def _top_p_kernel(probs_ptr, stride_row, num_cols, rows_ptr, top_p_ptr, BLOCK: tl.constexpr,
+                  PROBES: tl.constexpr, PROBES_POW2: tl.constexpr, ONE_BITS: tl.constexpr):
+    row = tl.load(rows_ptr + tl.program_id(0))
+    base = probs_ptr + row * stride_row
+    top_p = tl.load(top_p_ptr + tl.program_id(0))
+    probe = tl.arange(0, PROBES_POW2)
+    used = probe < PROBES
+    lo = tl.zeros([], dtype=tl.int64)  # the answer lies in [lo, hi]; hi passes (nothing is above 1.0)
+    hi = tl.zeros([], dtype=tl.int64) + ONE_BITS
+    while lo < hi:
+        bits = lo + (hi - lo) * (probe + 1) // (PROBES + 1)
+        mass = _mass_above(base, num_cols, bits.to(tl.int32).to(tl.float32, bitcast=True), BLOCK, PROBES_POW2)
+        passes = mass < top_p
+        hi = tl.min(tl.where(used & passes, bits, hi), 0)
+        lo = tl.max(tl.where(used & ~passes, bits + 1, lo), 0)
+    threshold = lo.to(tl.int32).to(tl.float32, bitcast=True)
+    offs = tl.arange(0, BLOCK)
+    for start in range(0, num_cols, BLOCK):
+        cols = start + offs
+        inside = cols < num_cols
+        x = tl.load(base + cols, mask=inside, other=0.0)
+        tl.store(base + cols, tl.where(x < threshold, 0.0, x), mask=inside)
+
+
+def top_p_(probs: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, probes: int = PROBES,
+           block: int = BLOCK) -> torch.Tensor:
+    """`kernels.top_p.top_p_` in one launch. `probes` and `block` are for benchmarks and tests."""
+    if probs.dtype != torch.float32 or probs.stride(-1) != 1:
+        raise ValueError(f"probs must be contiguous float32 rows, got {probs.dtype} with strides {probs.stride()}")
+    if len(rows):
+        _top_p_kernel[(len(rows),)](probs, probs.stride(0), probs.shape[-1], rows, top_p, BLOCK=block,
+                                    PROBES=probes, PROBES_POW2=triton.next_power_of_2(probes), ONE_BITS=ONE_BITS,
+                                    num_warps=NUM_WARPS)
+    return probs
