@@ -5,10 +5,10 @@ Serving's (a) with temperature 0.8 and top-p 0.95 took 13.0 ms a decode step on 
 (`kernels.top_p`) for flat and peaked distributions: `--scales` are the logits' standard deviations (a
 random-weight model's logits are nearly flat; a trained model's are peaked, so its top-p nucleus is among the few
 hundred candidates the torch path searches before it sorts the whole vocabulary). On CUDA the Triton filter is
-also timed with each of `--probes` thresholds tested per pass. Each figure is the median wall time of
+also timed in each of `--triton-configs` (thresholds tested per pass, tile, warps). Each figure is the median wall time of
 `--repeats` calls, the device synchronized around each.
 
-    python benchmarks/sampler.py [--rows 32 128] [--scales 0.5 8] [--probes 1 3 7 15] [--device cuda] [--out DIR]
+    python benchmarks/sampler.py [--rows 32 128] [--scales 0.5 8] [--triton-configs 7:8192:8 ...] [--device cuda] [--out DIR]
 """
 from __future__ import annotations
 
@@ -52,8 +52,13 @@ def nucleus_size(logits: torch.Tensor, temperature: float, top_p: float) -> floa
     return float(((probs.cumsum(dim=-1) - probs) < top_p).sum(dim=-1).float().mean())
 
 
+def _triton_config(config: str) -> dict:
+    probes, tile, warps = (int(v) for v in config.split(":"))
+    return dict(probes=probes, tile=tile, num_warps=warps)
+
+
 def case(rows: int, scale: float, device: torch.device, repeats: int, temperature: float, top_p: float,
-         probes: list[int]) -> dict:
+         configs: list[str]) -> dict:
     generator = torch.Generator(device=device).manual_seed(0)
     logits = (scale * torch.randn(rows, VOCAB, generator=generator, device=device)).to(torch.bfloat16)
     sampler = Sampler(eos_token_ids=set(), vocab_size=VOCAB)
@@ -71,8 +76,9 @@ def case(rows: int, scale: float, device: torch.device, repeats: int, temperatur
     if device.type == "cuda":
         from kernels import top_p_triton
 
-        result["top_p_triton_ms"] = {p: timed_ms(lambda: top_p_triton.top_p_(probs.clone(), index, top_ps, probes=p),
-                                                 device, repeats) for p in probes}
+        result["top_p_triton_ms"] = {
+            config: timed_ms(lambda: top_p_triton.top_p_(probs.clone(), index, top_ps, **_triton_config(config)),
+                             device, repeats) for config in configs}
     return result
 
 
@@ -82,7 +88,8 @@ def main() -> None:
     parser.add_argument("--scales", type=float, nargs="*", default=[0.5, 8.0])
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--probes", type=int, nargs="*", default=[1, 3, 7, 15])
+    parser.add_argument("--triton-configs", nargs="*", default=["7:8192:8"],
+                        help="the Triton filter's launches to time, each PROBES:TILE:WARPS")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
@@ -90,15 +97,16 @@ def main() -> None:
     device = torch.device(args.device)
     results = []
     print("| rows | logits std | nucleus tokens | greedy ms | temperature + top-p ms | of which `_top_p` ms "
-          "| torch top-p ms | a clone ms | Triton top-p ms by probes |")
+          "| torch top-p ms | a clone ms | Triton top-p ms by probes:tile:warps |")
     print("|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
         for scale in args.scales:
-            r = case(rows, scale, device, args.repeats, args.temperature, args.top_p, args.probes)
+            r = case(rows, scale, device, args.repeats, args.temperature, args.top_p, args.triton_configs)
             results.append(r)
-            by_probes = ", ".join(f"{p}: {ms:.3f}" for p, ms in r.get("top_p_triton_ms", {}).items())
+            triton_ms = ", ".join(f"{c}: {ms:.3f}" for c, ms in r.get("top_p_triton_ms", {}).items())
             print(f"| {rows} | {scale} | {r['nucleus_tokens']} | {r['greedy_ms']:.2f} | {r['sampled_ms']:.2f} "
-                  f"| {r['top_p_ms']:.2f} | {r['top_p_torch_ms']:.2f} | {r['clone_ms']:.3f} | {by_probes} |", flush=True)
+                  f"| {r['top_p_ms']:.2f} | {r['top_p_torch_ms']:.2f} | {r['clone_ms']:.3f} | {triton_ms} |",
+                  flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

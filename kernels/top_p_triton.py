@@ -14,7 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024
+# Elements a program holds per probe pass (threshold x column): a pass over a row is BLOCK = TILE // probes columns
+# at a time, each probe's sums kept per column and reduced across the block once per pass.
+TILE = 8192
 NUM_WARPS = 8
 # Thresholds tested per pass: 7 narrow the interval 8-fold (10 passes over 1.0's 2^30 bit patterns).
 PROBES = 7
@@ -24,13 +26,13 @@ ONE_BITS = 0x3F800000
 @triton.jit
 def _mass_above(base, num_cols, thresholds, BLOCK: tl.constexpr, PROBES_POW2: tl.constexpr):
     """For each threshold, the sum of the row's values greater than it."""
-    mass = tl.zeros([PROBES_POW2], dtype=tl.float32)
+    mass = tl.zeros([PROBES_POW2, BLOCK], dtype=tl.float32)
     offs = tl.arange(0, BLOCK)
     for start in range(0, num_cols, BLOCK):
         cols = start + offs
         x = tl.load(base + cols, mask=cols < num_cols, other=0.0)
-        mass += tl.sum(tl.where(x[None, :] > thresholds[:, None], x[None, :], 0.0), 1)
-    return mass
+        mass += tl.where(x[None, :] > thresholds[:, None], x[None, :], 0.0)
+    return tl.sum(mass, 1)
 
 
 @triton.jit
@@ -58,13 +60,14 @@ def _top_p_kernel(probs_ptr, stride_row, num_cols, rows_ptr, top_p_ptr, BLOCK: t
         tl.store(base + cols, tl.where(x < threshold, 0.0, x), mask=inside)
 
 
-def top_p_(probs: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, probes: int = PROBES,
-           block: int = BLOCK) -> torch.Tensor:
-    """`kernels.top_p.top_p_` in one launch. `probes` and `block` are for benchmarks and tests."""
+def top_p_(probs: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor, probes: int = PROBES, tile: int = TILE,
+           num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """`kernels.top_p.top_p_` in one launch. `probes`, `tile` and `num_warps` are for benchmarks and tests."""
     if probs.dtype != torch.float32 or probs.stride(-1) != 1:
         raise ValueError(f"probs must be contiguous float32 rows, got {probs.dtype} with strides {probs.stride()}")
     if len(rows):
-        _top_p_kernel[(len(rows),)](probs, probs.stride(0), probs.shape[-1], rows, top_p, BLOCK=block,
-                                    PROBES=probes, PROBES_POW2=triton.next_power_of_2(probes), ONE_BITS=ONE_BITS,
-                                    num_warps=NUM_WARPS)
+        probes_pow2 = triton.next_power_of_2(probes)
+        _top_p_kernel[(len(rows),)](probs, probs.stride(0), probs.shape[-1], rows, top_p,
+                                    BLOCK=max(16, tile // probes_pow2), PROBES=probes, PROBES_POW2=probes_pow2,
+                                    ONE_BITS=ONE_BITS, num_warps=num_warps)
     return probs

@@ -18,7 +18,7 @@ def _impls():
         from kernels import top_p_triton
 
         impls += [pytest.param(top_p_triton.top_p_, id="triton"),
-                  pytest.param(lambda *a: top_p_triton.top_p_(*a, probes=1, block=256), id="triton-bisection")]
+                  pytest.param(lambda *a: top_p_triton.top_p_(*a, probes=1, tile=256), id="triton-bisection")]
     return impls
 
 
