@@ -5,10 +5,11 @@ Serving's (a) with temperature 0.8 and top-p 0.95 took 13.0 ms a decode step on 
 (`kernels.top_p`) for flat and peaked distributions: `--scales` are the logits' standard deviations (a
 random-weight model's logits are nearly flat; a trained model's are peaked, so its top-p nucleus is among the few
 hundred candidates the torch path searches before it sorts the whole vocabulary). On CUDA the Triton filter is
-also timed in each of `--triton-configs` (thresholds tested per pass, tile, warps). Each figure is the median wall time of
-`--repeats` calls, the device synchronized around each.
+also timed in each of `--triton-configs` (thresholds tested per pass, tile, warps). Each figure is the median
+wall time of `--repeats` calls, the device synchronized around each.
 
-    python benchmarks/sampler.py [--rows 32 128] [--scales 0.5 8] [--triton-configs 7:8192:8 ...] [--device cuda] [--out DIR]
+    python benchmarks/sampler.py [--rows 32 128] [--scales 0.5 8] [--triton-configs 7:16384:16 ...]
+                                 [--device cuda] [--out DIR]
 """
 from __future__ import annotations
 
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--scales", type=float, nargs="*", default=[0.5, 8.0])
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--triton-configs", nargs="*", default=["7:8192:8"],
+    parser.add_argument("--triton-configs", nargs="*", default=["7:16384:16"],
                         help="the Triton filter's launches to time, each PROBES:TILE:WARPS")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
