@@ -391,9 +391,9 @@ class LLMEngine:
         by one step.
 
         Async scheduling: a step whose tokens are drawn on the device (greedy; or temperature, top-k,
-        min-p and top-p: `draws_on_device`) is left in flight; the next step is scheduled and launched first,
-        its decode rows' input ids taken on the device from the in-flight tokens, and only then are the
-        in-flight tokens read back and appended. The outputs are the same, one step later; a
+        min-p and top-p; with top logprobs or not: `draws_on_device`) is left in flight; the next step is
+        scheduled and launched first, its decode rows' input ids taken on the device from the in-flight
+        tokens, and only then are the in-flight tokens read back and appended. The outputs are the same, one step later; a
         sequence that ended in the step read back had one more token computed, which is dropped. A
         sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
         next step is scheduled: that step computes a row for it, and the room it leaves is admitted into a
@@ -436,9 +436,9 @@ class LLMEngine:
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
         running sequence, the sequences it samples for take tokens drawn on the device (`draws_on_device`: greedy,
-        or temperature, top-k, min-p and top-p; they keep doing so: the sequences only grow), and it records no prompt
-        logprobs (they read the step's hidden states back). An eager step qualifies too: a long prompt's launch
-        takes less time than its work."""
+        or temperature, top-k, min-p and top-p, top logprobs or not; they keep doing so: the sequences only grow),
+        and it records no prompt logprobs (they read the step's hidden states back). An eager step qualifies too:
+        a long prompt's launch takes less time than its work."""
         return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)
                 and all((not item.samples or draws_on_device(
                     item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
@@ -560,7 +560,7 @@ class LLMEngine:
 
     def _sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens:
         """_sample's tokens left on the device, for sequences that all `draws_on_device`."""
-        if all(seq.request.params.is_greedy for seq in seqs):
+        if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
             return self.sampler.greedy_pending(logits)
         return self.sampler.pending(logits, [self._sampling_row(seq) for seq in seqs])
 

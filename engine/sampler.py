@@ -42,10 +42,10 @@ class SampledToken:
 class PendingTokens:
     """One step's tokens drawn on the device (greedy or not): there for the next step's inputs, and on their way
     to page-locked host memory, so reading them waits for this step's work alone (a .tolist() would also wait
-    for every step launched after it)."""
+    for every step launched after it). With them travel the top logprobs of the rows that asked for some."""
 
     def __init__(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
-                 host: tuple[torch.Tensor, torch.Tensor] | None = None):
+                 host: tuple[torch.Tensor, torch.Tensor] | None = None, requested: RequestedLogprobs | None = None):
         """host: page-locked buffers for a GPU's tokens (token ids, logprobs), at least B long."""
         self.token_ids = token_ids  # [B] int64, on the device
         self._event = None
@@ -53,9 +53,10 @@ class PendingTokens:
             batch = token_ids.shape[0]
             token_ids = host[0][:batch].copy_(token_ids, non_blocking=True)
             logprobs = host[1][:batch].copy_(logprobs, non_blocking=True)
+            requested = requested.to_host() if requested is not None else None
             self._event = torch.cuda.Event()
             self._event.record()
-        self._host = token_ids, logprobs
+        self._host = token_ids, logprobs, requested
 
     def wait(self) -> None:
         """Until the tokens are on the host (only for the step that sampled them)."""
@@ -64,8 +65,68 @@ class PendingTokens:
 
     def result(self) -> list[SampledToken]:
         self.wait()
-        token_ids, logprobs = self._host
-        return [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
+        token_ids, logprobs, requested = self._host
+        result = [SampledToken(token_id, lp) for token_id, lp in zip(token_ids.tolist(), logprobs.tolist())]
+        if requested is not None:
+            requested.attach(result)
+        return result
+
+
+@dataclass
+class TopLogprobs:
+    """Per row: the chosen token's log-probability and rank, and the num_top most likely tokens' (on the device
+    where they were computed, until `to_host`)."""
+
+    chosen: torch.Tensor  # [N] float32
+    ranks: torch.Tensor  # [N] int64, 1 for the most likely token
+    values: torch.Tensor  # [N, num_top] float32, most likely first
+    ids: torch.Tensor  # [N, num_top] int64
+
+    @classmethod
+    def compute(cls, logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> TopLogprobs:
+        """From logprobs [N, V] and each row's chosen token id [N]; nothing is read back."""
+        chosen = logprobs.gather(1, token_ids[:, None]).squeeze(1)
+        ranks = (logprobs > chosen[:, None]).sum(dim=-1).add_(1)
+        values, ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
+        return cls(chosen, ranks, values, ids)
+
+    def to_host(self) -> TopLogprobs:
+        """Copies started to (page-locked) host memory, not waited for."""
+        return TopLogprobs(*(t.to("cpu", non_blocking=True) for t in (self.chosen, self.ranks, self.values,
+                                                                        self.ids)))
+
+    def entries(self, token_ids: list[int]) -> list[dict[int, Logprob]]:
+        """Per row: the num_top most likely tokens plus token_ids[row], with their ranks, as vLLM reports them
+        (decoded_token is left to the caller, which has the tokenizer)."""
+        result = []
+        for token_id, lp, rank, top_ids, top_values in zip(token_ids, self.chosen.tolist(), self.ranks.tolist(),
+                                                          self.ids.tolist(), self.values.tolist()):
+            entry = {top_id: Logprob(value, r) for r, (top_id, value) in enumerate(zip(top_ids, top_values), 1)}
+            entry.setdefault(token_id, Logprob(lp, rank))
+            result.append(entry)
+        return result
+
+
+@dataclass
+class RequestedLogprobs:
+    """The top logprobs the rows asking for them (`rows`, each wanting `counts[i]`) get with their tokens."""
+
+    rows: list[int]
+    counts: list[int]
+    top: TopLogprobs
+
+    def to_host(self) -> RequestedLogprobs:
+        return RequestedLogprobs(self.rows, self.counts, self.top.to_host())
+
+    def attach(self, sampled: list[SampledToken]) -> None:
+        """Sets each asking row's top_logprobs (its k most likely tokens plus the chosen one) and its logprob
+        from the same log-softmax."""
+        for i, count, top in zip(self.rows, self.counts, self.top.entries([sampled[i].token_id for i in self.rows])):
+            token_id = sampled[i].token_id
+            entry = dict(list(top.items())[:count])
+            entry.setdefault(token_id, top[token_id])
+            sampled[i].top_logprobs = entry
+            sampled[i].logprob = entry[token_id].logprob
 
 
 class _HostBuffers:
@@ -100,24 +161,10 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
 
 def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict[int, Logprob]]:
     """Per row of logprobs [N, V]: the num_top most likely tokens plus token_ids[row], with their ranks, as
-    vLLM reports them (decoded_token is left to the caller, which has the tokenizer).
-
-    The engine uses this for prompt_logprobs (row i holds the distribution that predicted token_ids[i]).
-    """
-    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)[:, None])
-    ranks = (logprobs > chosen).sum(dim=-1).add_(1).tolist()
-    result = [{token_id: Logprob(lp, rank)} for token_id, lp, rank in zip(token_ids, chosen.squeeze(1).tolist(), ranks)]
-    num_top = min(num_top, logprobs.shape[-1])
-    if num_top == 0:
-        return result
-    values, indices = logprobs.topk(num_top, dim=-1)
-    tops = []
-    for chosen_entry, top_ids, top_values in zip(result, indices.tolist(), values.tolist()):
-        entry = {token_id: Logprob(lp, rank) for rank, (token_id, lp) in enumerate(zip(top_ids, top_values), 1)}
-        for token_id, logprob in chosen_entry.items():
-            entry.setdefault(token_id, logprob)
-        tops.append(entry)
-    return tops
+    vLLM reports them. The engine uses this for prompt_logprobs (row i holds the distribution that predicted
+    token_ids[i])."""
+    chosen = torch.tensor(token_ids, device=logprobs.device)
+    return TopLogprobs.compute(logprobs, chosen, num_top).entries(token_ids)
 
 
 class Sampler:
@@ -159,11 +206,13 @@ class Sampler:
             raise ValueError("pending() takes only rows whose tokens are drawn on the device (draws_on_device)")
         raw = logits[:, : self.vocab_size].float()
         token_ids = self._choose(self.process_logits(raw, rows), rows)
-        return self._left_on_device(token_ids, _chosen_logprobs(raw, token_ids))
+        return self._left_on_device(token_ids, _chosen_logprobs(raw, token_ids),
+                                    _requested_logprobs(raw, token_ids, rows))
 
-    def _left_on_device(self, token_ids: torch.Tensor, logprobs: torch.Tensor) -> PendingTokens:
+    def _left_on_device(self, token_ids: torch.Tensor, logprobs: torch.Tensor,
+                        requested: RequestedLogprobs | None = None) -> PendingTokens:
         host = self._host_buffers.take(token_ids.shape[0]) if token_ids.is_cuda else None
-        return PendingTokens(token_ids, logprobs, host)
+        return PendingTokens(token_ids, logprobs, host, requested)
 
     @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
@@ -260,7 +309,7 @@ class Sampler:
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Host lists reach the device through `host_to_device`, here and below, so that a draw does not wait
-        for the device (top-p's candidate search does: `draws_on_device`)."""
+        for the device (on the CPU, top-p's candidate search does: `kernels.top_p`)."""
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         token_ids = logits.argmax(dim=-1)
         if not random_rows:
@@ -286,33 +335,39 @@ class Sampler:
     def _report(self, raw: torch.Tensor, token_ids: torch.Tensor, rows: list[SamplingRow]) -> list[SampledToken]:
         ids, logprobs = token_ids.tolist(), _chosen_logprobs(raw, token_ids).tolist()
         result = [SampledToken(token_id, lp) for token_id, lp in zip(ids, logprobs)]
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if wanted:
-            num_top = max(rows[i].params.logprobs for i in wanted)
-            tops = gather_logprobs(compute_logprobs(raw[wanted]), [ids[i] for i in wanted], num_top)
-            for i, top in zip(wanted, tops):
-                k = rows[i].params.logprobs
-                entry = dict(list(top.items())[:k])
-                entry.setdefault(ids[i], top[ids[i]])
-                result[i].top_logprobs = entry
-                result[i].logprob = entry[ids[i]].logprob
+        requested = _requested_logprobs(raw, token_ids, rows)
+        if requested is not None:
+            requested.attach(result)
         return result
+
+
+def _requested_logprobs(raw: torch.Tensor, token_ids: torch.Tensor,
+                        rows: list[SamplingRow]) -> RequestedLogprobs | None:
+    """The top logprobs of the rows with params.logprobs set, under the raw logits; computed on the device."""
+    wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    if not wanted:
+        return None
+    counts = [rows[i].params.logprobs for i in wanted]
+    index = host_to_device(wanted, raw.device)
+    top = TopLogprobs.compute(compute_logprobs(raw.index_select(0, index)), token_ids.index_select(0, index),
+                              max(counts))
+    return RequestedLogprobs(wanted, counts, top)
 
 
 def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token is the raw argmax and only its raw logprob is reported: greedy, and no
     allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalty or top logprobs apply (then
     Sampler.greedy serves it)."""
-    return params.is_greedy and draws_on_device(params, num_output_tokens)
+    return params.is_greedy and params.logprobs is None and draws_on_device(params, num_output_tokens)
 
 
 def draws_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): no logits
-    processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties) and no top logprobs.
-    Greedy, temperature, min-p, top-k and top-p draws all qualify (on a GPU, top-p reads nothing back:
-    `kernels.top_p`)."""
-    return (not params.logit_bias and params.logprobs is None and not params.allowed_token_ids
-            and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params))
+    processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties). Greedy, temperature,
+    min-p, top-k and top-p draws all qualify (on a GPU, top-p reads nothing back: `kernels.top_p`), and so do
+    top logprobs (computed on the device and copied back with the tokens)."""
+    return (not params.logit_bias and not params.allowed_token_ids and not params.bad_words
+            and num_output_tokens >= params.min_tokens and not _has_penalty(params))
 
 
 def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

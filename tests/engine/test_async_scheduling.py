@@ -397,6 +397,29 @@ def test_steps_drawing_tokens_on_the_device_overlap_and_give_the_synchronous_tok
     assert r.overlapped_steps >= 12 and r.drains == 0
 
 
+def top_logprobs(output) -> list:
+    """Each completion's per-token top logprobs: token ids and ranks exactly, values to float32 noise."""
+    return [[{token_id: (lp.rank, pytest.approx(lp.logprob, abs=1e-4)) for token_id, lp in position.items()}
+             for position in c.logprobs or ()] for c in output.outputs]
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "with-a-sampled-row"])
+def test_steps_reporting_top_logprobs_overlap_and_give_the_synchronous_logprobs(engines, monkeypatch, sampled):
+    """Top logprobs are computed on the device and copied back with the tokens, so asking for them keeps a step
+    in flight, greedy or sampled."""
+    third = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=14, logprobs=0) if sampled else \
+        greedy(14, logprobs=0)
+    requests = [(PROMPTS[0], greedy(logprobs=3)), (PROMPTS[1], greedy()), (PROMPTS[2], third)]
+    sync, overlapped = engines
+    expected, _ = run(sync, monkeypatch, requests)
+    got, r = run(overlapped, monkeypatch, requests)
+    assert_same(expected, got)
+    assert [top_logprobs(o) for o in got] == [top_logprobs(o) for o in expected]
+    assert [len(position) for position in expected[0].outputs[0].logprobs] == [3] * 12  # the greedy token among them
+    assert [len(position) for position in expected[2].outputs[0].logprobs] == [1] * 14  # the chosen token alone
+    assert r.overlapped_steps >= 12 and r.drains == 0
+
+
 def test_steps_overlap_once_min_tokens_are_out(engines, monkeypatch):
     _, r = compare(engines, monkeypatch, [(EOS_PROMPT, greedy(20, ignore_eos=False, min_tokens=14)),
                                        (PROMPTS[0], greedy(20))])

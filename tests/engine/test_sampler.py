@@ -84,7 +84,8 @@ def test_plain_greedy_rows_are_those_the_general_path_leaves_at_the_raw_argmax(p
     (SamplingParams(temperature=0.7, seed=1), 0, True),
     (SamplingParams(temperature=0.7, top_k=5, min_p=0.1), 0, True),
     (SamplingParams(temperature=0.7, top_p=0.9), 0, True),
-    (SamplingParams(temperature=0.7, logprobs=1), 0, False),
+    (SamplingParams(temperature=0.7, logprobs=1), 0, True),
+    (SamplingParams(temperature=0.0, logprobs=0), 0, True),
     (SamplingParams(temperature=0.7, min_tokens=3), 2, False),
     (SamplingParams(temperature=0.7, min_tokens=3), 3, True),
     (SamplingParams(temperature=0.7, presence_penalty=0.5), 0, False),
@@ -95,26 +96,30 @@ def test_rows_drawn_on_the_device_are_those_needing_no_host_work_after_the_logit
 
 
 def rows_drawn_on_the_device(device):
-    """Greedy, temperature, top-k, min-p and top-p rows, seeded and not; fresh generators each call."""
+    """Greedy, temperature, top-k, min-p and top-p rows, seeded and not, two with top logprobs; fresh generators
+    each call."""
     return [row(temperature=0.0), row(temperature=0.8, generator=make_generator(5, 0, device)),
             row(temperature=1.2, top_k=7, generator=make_generator(5, 1, device)),
             row(temperature=1.0, min_p=0.05, generator=make_generator(9, 0, device)),
             row(temperature=0.9, top_k=3, min_p=0.2, generator=make_generator(9, 1, device)),
-            row(temperature=1.1, top_p=0.8, generator=make_generator(3, 0, device))]
+            row(temperature=1.1, top_p=0.8, generator=make_generator(3, 0, device)),
+            row(temperature=0.0, logprobs=3), row(temperature=0.7, logprobs=1, generator=make_generator(3, 1, device))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pending_draws_what_a_call_draws_and_reports_the_same_logprobs(device):
-    logits = random_logits(6, device=device)
+    logits = random_logits(8, device=device)
     sampler = Sampler({EOS}, VOCAB)
     drawn = sampler.pending(logits, rows_drawn_on_the_device(device)).result()
     called = sampler(logits, rows_drawn_on_the_device(device))
-    assert [(t.token_id, t.logprob) for t in drawn] == [(t.token_id, t.logprob) for t in called]
+    assert [(t.token_id, t.logprob, t.top_logprobs) for t in drawn] == [(t.token_id, t.logprob, t.top_logprobs)
+                                                                        for t in called]
+    assert [len(t.top_logprobs or ()) for t in drawn][-2:] in ([3, 1], [3, 2])
 
 
 def test_pending_refuses_a_row_that_needs_the_host():
     with pytest.raises(ValueError, match="draws_on_device"):
-        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(temperature=0.7, logprobs=1)])
+        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(temperature=0.7, presence_penalty=0.5)])
 
 
 @pytest.mark.gpu
