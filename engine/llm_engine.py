@@ -390,11 +390,12 @@ class LLMEngine:
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
         by one step.
 
-        Async scheduling: a step whose tokens are drawn on the device (greedy; or temperature, top-k,
-        min-p and top-p; with top logprobs or not: `draws_on_device`) is left in flight; the next step is
-        scheduled and launched first, its decode rows' input ids taken on the device from the in-flight
-        tokens, and only then are the in-flight tokens read back and appended. The outputs are the same, one step later; a
-        sequence that ended in the step read back had one more token computed, which is dropped. A
+        Async scheduling: a step whose tokens are drawn on the device (every sampling parameter but
+        bad_words: `draws_on_device`) is left in flight; the next step is scheduled and launched first, its
+        decode rows' input ids (and its penalties' last tokens) taken on the device from the in-flight
+        tokens, and only then are the in-flight tokens read back and appended. The outputs are the same,
+        one step later; a sequence that ended in the step read back had one more token computed, which is
+        dropped. A
         sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
         next step is scheduled: that step computes a row for it, and the room it leaves is admitted into a
         step later than a synchronous engine would (as vLLM's async scheduling does); one ending by its
@@ -435,14 +436,12 @@ class LLMEngine:
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
-        running sequence, the sequences it samples for take tokens drawn on the device (`draws_on_device`: greedy,
-        or temperature, top-k, min-p and top-p, top logprobs or not; they keep doing so: the sequences only grow),
-        and it records no prompt logprobs (they read the step's hidden states back). An eager step qualifies too:
-        a long prompt's launch takes less time than its work."""
+        running sequence, the sequences it samples for take tokens drawn on the device (`draws_on_device`: no
+        bad_words), and it records no prompt logprobs (they read the step's hidden states back). An eager step
+        qualifies too: a long prompt's launch takes less time than its work."""
         return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)
-                and all((not item.samples or draws_on_device(
-                    item.seq.request.params, len(item.seq.token_ids) - item.seq.num_prompt_tokens))
-                    and not _records_prompt_logprobs(item) for item in scheduled))
+                and all((not item.samples or draws_on_device(item.seq.request.params))
+                        and not _records_prompt_logprobs(item) for item in scheduled))
 
     def drain(self) -> list[RequestOutput]:
         """Read back the step in flight, if any, and return its outputs: afterwards every sequence's
@@ -491,7 +490,7 @@ class LLMEngine:
         tokens = None
         if sampling:
             rows = [row for row, _ in sampling]
-            tokens = self._sample_pending(self.model.compute_logits(_take_rows(result.hidden, rows)), seqs)
+            tokens = self._sample_pending(self.model.compute_logits(_take_rows(result.hidden, rows)), seqs, previous)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
         self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)})
@@ -558,16 +557,20 @@ class LLMEngine:
             return self.sampler.greedy(logits)
         return self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
 
-    def _sample_pending(self, logits: torch.Tensor, seqs: list[Sequence]) -> PendingTokens:
-        """_sample's tokens left on the device, for sequences that all `draws_on_device`."""
+    def _sample_pending(self, logits: torch.Tensor, seqs: list[Sequence],
+                        previous: InFlightStep | None) -> PendingTokens:
+        """_sample's tokens left on the device, for sequences that all `draws_on_device`; those `previous` sampled
+        for find their last token among its tokens on the device."""
         if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
             return self.sampler.greedy_pending(logits)
-        return self.sampler.pending(logits, [self._sampling_row(seq) for seq in seqs])
+        in_flight = previous.rows if previous is not None and previous.tokens is not None else {}
+        return self.sampler.pending(logits, [self._sampling_row(seq, in_flight.get(seq.seq_id, -1)) for seq in seqs],
+                                    previous.tokens.token_ids if in_flight else None)
 
-    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+    def _sampling_row(self, seq: Sequence, in_flight_row: int = -1) -> SamplingRow:
         request = seq.request
         return SamplingRow(request.params, request.prompt_token_ids, seq.output_token_ids, seq.generator,
-                           request.bad_words_token_ids)
+                           request.bad_words_token_ids, in_flight_row)
 
     def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], result) -> None:
         for i, item in enumerate(scheduled):

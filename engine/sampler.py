@@ -29,6 +29,9 @@ class SamplingRow:
     output_token_ids: list[int]  # generated before this step
     generator: torch.Generator | None = None  # set for seeded requests (see make_generator)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    # Async scheduling: output_token_ids ends in a placeholder for the token the step in flight drew, which is row
+    # in_flight_row of the tokens passed with the rows (-1: every token is on the host).
+    in_flight_row: int = -1
 
 
 @dataclass
@@ -199,13 +202,15 @@ class Sampler:
         return self._left_on_device(*greedy(logits, self.vocab_size))
 
     @torch.no_grad()
-    def pending(self, logits: torch.Tensor, rows: list[SamplingRow]) -> PendingTokens:
+    def pending(self, logits: torch.Tensor, rows: list[SamplingRow],
+                in_flight_tokens: torch.Tensor | None = None) -> PendingTokens:
         """__call__'s tokens and logprobs for rows that all `draws_on_device`, left on the device like
-        greedy_pending's: nothing here waits for the device, so a step can stay in flight."""
-        if not all(draws_on_device(row.params, len(row.output_token_ids)) for row in rows):
+        greedy_pending's: nothing here waits for the device, so a step can stay in flight. in_flight_tokens: the
+        step in flight's tokens, where rows with an in_flight_row find their last output token (penalties)."""
+        if not all(draws_on_device(row.params) for row in rows):
             raise ValueError("pending() takes only rows whose tokens are drawn on the device (draws_on_device)")
         raw = logits[:, : self.vocab_size].float()
-        token_ids = self._choose(self.process_logits(raw, rows), rows)
+        token_ids = self._choose(self.process_logits(raw, rows, in_flight_tokens), rows)
         return self._left_on_device(token_ids, _chosen_logprobs(raw, token_ids),
                                     _requested_logprobs(raw, token_ids, rows))
 
@@ -225,7 +230,8 @@ class Sampler:
 
     # -- logits processing ---------------------------------------------------------------
 
-    def process_logits(self, raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def process_logits(self, raw: torch.Tensor, rows: list[SamplingRow],
+                       in_flight_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits after allowed_token_ids, bad_words, logit_bias, min_tokens and penalties (before
         temperature and truncation), in vLLM's order.
 
@@ -248,33 +254,30 @@ class Sampler:
         if min_rows:
             self._apply_min_tokens(logits, [rows[i] for i in min_rows], min_rows)
         if penalty_rows:
-            self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows)
+            self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows, in_flight_tokens)
         return logits
 
     def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
-        row_idx, col_idx, values = [], [], []
-        for i, row in zip(indices, rows):
-            for token_id, bias in row.params.logit_bias.items():
-                row_idx.append(i)
-                col_idx.append(token_id)
-                values.append(bias)
+        cells = [(i, token_id) for i, row in zip(indices, rows) for token_id in row.params.logit_bias]
+        biases = [bias for row in rows for bias in row.params.logit_bias.values()]
         device = logits.device
-        logits.index_put_(
-            (torch.tensor(row_idx, device=device), torch.tensor(col_idx, device=device)),
-            torch.tensor(values, dtype=logits.dtype, device=device),
-            accumulate=True,
-        )
+        cell_index = host_to_device(cells, device).T
+        logits.index_put_((cell_index[0], cell_index[1]), host_to_device(biases, device, logits.dtype), accumulate=True)
         # A bias of +inf forces its token: the row keeps only such tokens, at equal odds (softmax of +inf is NaN)
-        biased = logits[indices]
+        index = host_to_device(indices, device)
+        biased = logits.index_select(0, index)
         forced = biased.isposinf()
-        logits[indices] = torch.where(forced.any(dim=-1, keepdim=True),
-                                      torch.where(forced, 0.0, float("-inf")), biased)
+        logits.index_copy_(0, index, torch.where(forced.any(dim=-1, keepdim=True),
+                                                 torch.where(forced, 0.0, float("-inf")), biased))
 
     def _apply_allowed_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
-        allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
-        for j, row in enumerate(rows):
-            allowed[j, row.params.allowed_token_ids] = True
-        logits[indices] = logits[indices].masked_fill(~allowed, float("-inf"))
+        device = logits.device
+        cells = host_to_device([(j, token_id) for j, row in enumerate(rows)
+                                for token_id in row.params.allowed_token_ids], device).T
+        allowed = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=device)
+        allowed[cells[0], cells[1]] = True
+        index = host_to_device(indices, device)
+        logits.index_copy_(0, index, logits.index_select(0, index).masked_fill(~allowed, float("-inf")))
 
     def _apply_min_tokens(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
         """Until min_tokens are out, the tokens that would end the sequence cannot be drawn: the stop tokens, and the
@@ -285,25 +288,28 @@ class Sampler:
             banned.extend((i, token_id) for token_id in ending if token_id < self.vocab_size)
         _ban(logits, banned)
 
-    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int],
+                         in_flight_tokens: torch.Tensor | None) -> None:
         device, vocab = logits.device, logits.shape[-1]
-        sub = logits[indices]
-        repetition = torch.tensor([r.params.repetition_penalty for r in rows], device=device)[:, None]
-        frequency = torch.tensor([r.params.frequency_penalty for r in rows], device=device)[:, None]
-        presence = torch.tensor([r.params.presence_penalty for r in rows], device=device)[:, None]
+        index = host_to_device(indices, device)
+        sub = logits.index_select(0, index)
+        repetition, frequency, presence = host_to_device(
+            [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in rows],
+            device, sub.dtype).T[:, :, None]
         # Padding points at an extra column that is dropped, so ragged rows need no masking.
-        output_ids = _padded([r.output_token_ids for r in rows], vocab, device)
+        output_ids = _token_table([r.output_token_ids for r in rows], rows, vocab, device, in_flight_tokens)
         counts = torch.zeros(len(rows), vocab + 1, device=device)
         counts.scatter_add_(1, output_ids, torch.ones_like(output_ids, dtype=counts.dtype))
         counts = counts[:, :vocab]
         if any(r.params.repetition_penalty != 1.0 for r in rows):
-            seen_ids = _padded([r.prompt_token_ids + r.output_token_ids for r in rows], vocab, device)
+            seen_ids = _token_table([r.prompt_token_ids + r.output_token_ids for r in rows], rows, vocab, device,
+                                    in_flight_tokens)
             seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool, device=device)
             seen.scatter_(1, seen_ids, True)
             penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
             sub = torch.where(seen[:, :vocab], penalized, sub)
         sub = sub - frequency * counts - presence * (counts > 0).to(sub.dtype)
-        logits[indices] = sub
+        logits.index_copy_(0, index, sub)
 
     # -- choosing ------------------------------------------------------------------------
 
@@ -358,16 +364,17 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when a row's token is the raw argmax and only its raw logprob is reported: greedy, and no
     allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalty or top logprobs apply (then
     Sampler.greedy serves it)."""
-    return params.is_greedy and params.logprobs is None and draws_on_device(params, num_output_tokens)
+    return (params.is_greedy and params.logprobs is None and not params.logit_bias and not params.allowed_token_ids
+            and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params))
 
 
-def draws_on_device(params: SamplingParams, num_output_tokens: int) -> bool:
-    """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): no logits
-    processing (allowed_token_ids, bad_words, logit_bias, min_tokens masking, penalties). Greedy, temperature,
-    min-p, top-k and top-p draws all qualify (on a GPU, top-p reads nothing back: `kernels.top_p`), and so do
-    top logprobs (computed on the device and copied back with the tokens)."""
-    return (not params.logit_bias and not params.allowed_token_ids and not params.bad_words
-            and num_output_tokens >= params.min_tokens and not _has_penalty(params))
+def draws_on_device(params: SamplingParams) -> bool:
+    """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): every sampling
+    parameter but bad_words (whose match reads the output's last tokens on the host). Greedy, temperature, min-p,
+    top-k and top-p draws all qualify (on a GPU, top-p reads nothing back: `kernels.top_p`), top logprobs
+    (computed on the device and copied back with the tokens), logit_bias, allowed_token_ids and min_tokens (host
+    lists sent from page-locked memory), and penalties (the step in flight's token taken on the device)."""
+    return not params.bad_words
 
 
 def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -390,18 +397,26 @@ def _bad_word_ends(row: SamplingRow) -> list[int]:
 def _ban(logits: torch.Tensor, cells: list[tuple[int, int]]) -> None:
     """Sets logits[row, token] to -inf for each (row, token)."""
     if cells:
-        rows, tokens = zip(*cells)
-        device = logits.device
-        logits[torch.tensor(rows, device=device), torch.tensor(tokens, device=device)] = float("-inf")
+        index = host_to_device(cells, logits.device).T
+        logits[index[0], index[1]] = float("-inf")
 
 
 def _has_penalty(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
 
 
-def _padded(sequences: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+def _token_table(sequences: list[list[int]], rows: list[SamplingRow], pad: int, device: torch.device,
+                 in_flight_tokens: torch.Tensor | None) -> torch.Tensor:
+    """The sequences as one [N, longest] tensor on the device, padded with `pad`; a sequence whose row has an
+    in_flight_row ends in a placeholder, replaced by that row of in_flight_tokens (nothing is read back)."""
     width = max(1, max(len(s) for s in sequences))
-    return torch.tensor([s + [pad] * (width - len(s)) for s in sequences], dtype=torch.long, device=device)
+    table = host_to_device([s + [pad] * (width - len(s)) for s in sequences], device)
+    placeholders = [(j, len(s) - 1, r.in_flight_row) for j, (s, r) in enumerate(zip(sequences, rows))
+                    if r.in_flight_row >= 0]
+    if placeholders:
+        cells = host_to_device(placeholders, device).T
+        table[cells[0], cells[1]] = in_flight_tokens.index_select(0, cells[2])
+    return table
 
 
 def _top_k(logits: torch.Tensor, rows: list[SamplingRow], vocab: int) -> torch.Tensor:

@@ -120,8 +120,7 @@ OPTIONS: tuple[_Option, ...] = (
             "piece, with attention between the pieces; full_decode_only runs mixed steps eagerly "
             "(default full_and_piecewise).", choices=CUDAGRAPH_MODES),
     _Option("async_scheduling", "On CUDA with graphs, launch the next step before the previous step's tokens "
-            "are read back, when they are drawn on the device (greedy; temperature, top-k, min-p, top-p; with logprobs "
-            "or not; not with penalties, logit_bias, allowed_token_ids, bad_words or min_tokens) (default on; "
+            "are read back, when they are drawn on the device (every sampling parameter but bad_words) (default on; "
             "--no-async-scheduling turns it off).", "bool"),
     _Option("seed", "Engine random seed (default 0).", "int"),
     _Option("enable_lora", "Serve LoRA adapters (switched on by itself when adapters are given).", "bool"),

@@ -376,21 +376,30 @@ def test_a_request_takes_the_room_of_a_sequence_ended_by_eos_a_step_late(full_en
     assert progress[1] == progress[0] + 1
 
 
-def test_a_row_needing_the_full_sampler_keeps_every_step_synchronous(engines, monkeypatch):
+def test_a_row_with_bad_words_keeps_every_step_synchronous(engines, monkeypatch):
+    """Matching a bad word reads the output's last tokens on the host."""
     requests = [(PROMPTS[0], greedy()),
-                (PROMPTS[1], SamplingParams(temperature=0.8, presence_penalty=0.5, seed=7, max_tokens=16)),
+                (PROMPTS[1], SamplingParams(temperature=0.8, bad_words=["ab"], seed=7, max_tokens=16)),
                 (PROMPTS[2], greedy(logprobs=2))]
     _, r = compare(engines, monkeypatch, requests)
     assert r.overlapped_steps == 0
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.2, top_k=20),
-                                    dict(temperature=1.0, min_p=0.05), dict(temperature=1.0, top_p=0.9)],
-                         ids=["temperature", "top-k", "min-p", "top-p"])
+PENALTIES = dict(repetition_penalty=1.5, frequency_penalty=0.8, presence_penalty=0.5)
+
+
+@pytest.mark.parametrize("params", [
+    dict(temperature=0.8), dict(temperature=1.2, top_k=20), dict(temperature=1.0, min_p=0.05),
+    dict(temperature=1.0, top_p=0.9), dict(temperature=0.0, **PENALTIES), dict(temperature=0.9, **PENALTIES),
+    dict(temperature=0.0, logit_bias={5: 3.0, 40: -2.0}), dict(temperature=1.0, allowed_token_ids=[5, 9, 40, 77]),
+    dict(temperature=0.0, min_tokens=9, ignore_eos=False),
+], ids=["temperature", "top-k", "min-p", "top-p", "greedy-penalties", "sampled-penalties", "logit-bias",
+        "allowed-tokens", "min-tokens"])
 def test_steps_drawing_tokens_on_the_device_overlap_and_give_the_synchronous_tokens(engines, monkeypatch, params):
-    """Temperature, top-k, min-p and top-p need nothing from the host after the logits: such steps stay in flight as
-    greedy ones do, each seeded sequence drawing from its own generator in both engines (an unseeded one shares the
-    global RNG, so it is not compared)."""
+    """Every sampling parameter but bad_words needs nothing from the host after the logits: such steps stay in
+    flight as greedy ones do, penalties counting the step in flight's token from the device, each seeded sequence
+    drawing from its own generator in both engines (an unseeded one shares the global RNG, so it is not
+    compared)."""
     requests = [(PROMPTS[0], greedy()), (PROMPTS[1], SamplingParams(seed=7, max_tokens=16, **params)),
                 (PROMPTS[2], SamplingParams(seed=11, max_tokens=10, n=2, **params))]
     _, r = compare(engines, monkeypatch, requests)

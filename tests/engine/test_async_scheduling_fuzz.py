@@ -46,7 +46,12 @@ def random_case(seed: int) -> tuple[dict, list[tuple], list[tuple]]:
             params["ignore_eos"] = False
         elif ending < 0.25:
             params["stop_token_ids"] = [rng.randrange(3, VOCAB) for _ in range(3)]
-        for key, value, chance in [("prompt_logprobs", 1, 0.1), ("logprobs", 2, 0.1), ("n", 2, 0.1)]:
+        for key, value, chance in [
+                ("prompt_logprobs", 1, 0.1), ("logprobs", 2, 0.1), ("n", 2, 0.1), ("repetition_penalty", 1.4, 0.1),
+                ("frequency_penalty", 0.7, 0.1), ("presence_penalty", 0.6, 0.1),
+                ("logit_bias", {rng.randrange(3, VOCAB): 5.0}, 0.05),
+                ("allowed_token_ids", rng.sample(range(VOCAB), 20), 0.05),
+                ("min_tokens", min(4, params["max_tokens"]), 0.05), ("bad_words", ["ab", "c"], 0.05)]:
             if rng.random() < chance:
                 params[key] = value
         if rng.random() < 0.15:  # a seeded draw

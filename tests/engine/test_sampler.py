@@ -11,6 +11,7 @@ from engine.sampler import (
     make_generator,
 )
 from engine.sampling_params import SamplingParams
+from engine.sequence import IN_FLIGHT_TOKEN
 
 EOS = 2
 VOCAB = 50
@@ -79,47 +80,69 @@ def test_plain_greedy_rows_are_those_the_general_path_leaves_at_the_raw_argmax(p
     assert is_plain_greedy(params, num_output) is plain
 
 
-@pytest.mark.parametrize("params, num_output, on_device", [
-    (SamplingParams(temperature=0.0), 0, True),
-    (SamplingParams(temperature=0.7, seed=1), 0, True),
-    (SamplingParams(temperature=0.7, top_k=5, min_p=0.1), 0, True),
-    (SamplingParams(temperature=0.7, top_p=0.9), 0, True),
-    (SamplingParams(temperature=0.7, logprobs=1), 0, True),
-    (SamplingParams(temperature=0.0, logprobs=0), 0, True),
-    (SamplingParams(temperature=0.7, min_tokens=3), 2, False),
-    (SamplingParams(temperature=0.7, min_tokens=3), 3, True),
-    (SamplingParams(temperature=0.7, presence_penalty=0.5), 0, False),
-    (SamplingParams(temperature=0.7, allowed_token_ids=[1]), 0, False),
+@pytest.mark.parametrize("params, on_device", [
+    (SamplingParams(temperature=0.0), True),
+    (SamplingParams(temperature=0.7, seed=1), True),
+    (SamplingParams(temperature=0.7, top_k=5, min_p=0.1), True),
+    (SamplingParams(temperature=0.7, top_p=0.9), True),
+    (SamplingParams(temperature=0.7, logprobs=1), True),
+    (SamplingParams(temperature=0.0, logprobs=0), True),
+    (SamplingParams(temperature=0.7, min_tokens=3), True),
+    (SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1), True),
+    (SamplingParams(temperature=0.7, allowed_token_ids=[1]), True),
+    (SamplingParams(temperature=0.0, logit_bias={1: 2.0}), True),
+    (SamplingParams(temperature=0.7, bad_words=["x"]), False),
 ])
-def test_rows_drawn_on_the_device_are_those_needing_no_host_work_after_the_logits(params, num_output, on_device):
-    assert draws_on_device(params, num_output) is on_device
+def test_rows_drawn_on_the_device_are_those_needing_no_host_tokens_after_the_logits(params, on_device):
+    assert draws_on_device(params) is on_device
 
 
 def rows_drawn_on_the_device(device):
-    """Greedy, temperature, top-k, min-p and top-p rows, seeded and not, two with top logprobs; fresh generators
-    each call."""
+    """Greedy, temperature, top-k, min-p and top-p rows, seeded and not, with top logprobs, logit bias, allowed
+    tokens, min_tokens and penalties; fresh generators each call."""
     return [row(temperature=0.0), row(temperature=0.8, generator=make_generator(5, 0, device)),
             row(temperature=1.2, top_k=7, generator=make_generator(5, 1, device)),
             row(temperature=1.0, min_p=0.05, generator=make_generator(9, 0, device)),
             row(temperature=0.9, top_k=3, min_p=0.2, generator=make_generator(9, 1, device)),
             row(temperature=1.1, top_p=0.8, generator=make_generator(3, 0, device)),
-            row(temperature=0.0, logprobs=3), row(temperature=0.7, logprobs=1, generator=make_generator(3, 1, device))]
+            row(temperature=0.0, logprobs=3), row(temperature=0.7, logprobs=1, generator=make_generator(3, 1, device)),
+            row(temperature=0.0, logit_bias={7: 4.0, 9: float("inf")}),
+            row(temperature=0.9, allowed_token_ids=[3, 4, 11], generator=make_generator(4, 0, device)),
+            row(temperature=0.0, min_tokens=4, output=[5]),
+            row(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, prompt=[4, 8],
+                output=[6, 6, 12], generator=make_generator(4, 1, device))]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pending_draws_what_a_call_draws_and_reports_the_same_logprobs(device):
-    logits = random_logits(8, device=device)
+    logits = random_logits(12, device=device)
     sampler = Sampler({EOS}, VOCAB)
     drawn = sampler.pending(logits, rows_drawn_on_the_device(device)).result()
     called = sampler(logits, rows_drawn_on_the_device(device))
     assert [(t.token_id, t.logprob, t.top_logprobs) for t in drawn] == [(t.token_id, t.logprob, t.top_logprobs)
                                                                         for t in called]
-    assert [len(t.top_logprobs or ()) for t in drawn][-2:] in ([3, 1], [3, 2])
+    assert [len(t.top_logprobs or ()) for t in drawn][6:8] in ([3, 1], [3, 2])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_penalized_row_finds_its_last_token_among_the_tokens_in_flight(device):
+    """Async scheduling: the host holds a placeholder for the token the step in flight drew; the penalties count
+    the token itself, taken from that step's tokens on the device."""
+    logits = random_logits(2, device=device)
+    params = SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=1.0, repetition_penalty=1.5)
+    in_flight = torch.tensor([31, 12, 40], device=device)
+    placeholder = [SamplingRow(params, [4], [6, 12, IN_FLIGHT_TOKEN], in_flight_row=2),
+                   SamplingRow(params, [4], [IN_FLIGHT_TOKEN], in_flight_row=0)]
+    known = [row(params, prompt=[4], output=[6, 12, 40]), row(params, prompt=[4], output=[31])]
+    sampler = Sampler({EOS}, VOCAB)
+    assert torch.equal(sampler.process_logits(logits, placeholder, in_flight), sampler.process_logits(logits, known))
+    assert not torch.equal(sampler.process_logits(logits, known), logits)
 
 
 def test_pending_refuses_a_row_that_needs_the_host():
     with pytest.raises(ValueError, match="draws_on_device"):
-        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(temperature=0.7, presence_penalty=0.5)])
+        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(SamplingParams(temperature=0.7, bad_words=["x"]),
+                                                             bad_words=[[5]])])
 
 
 @pytest.mark.gpu
