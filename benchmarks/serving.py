@@ -230,6 +230,11 @@ def _pause_summary(pauses: list[tuple[int, float]]) -> dict:
                 gc_oldest_collections=len(oldest), gc_oldest_seconds=sum(oldest))
 
 
+# Chat-like sampling with every kind of per-row host data the sampler takes but bad_words (`sampler.draws_on_device`)
+PENALTIES_AND_LOGPROBS = dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.3,
+                              presence_penalty=0.3, logprobs=1)
+
+
 def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest | None], output_len: int,
             timeline_to: Path | None = None, **sampling) -> dict:
     """Offline throughput of one workload; `timeline_to` gets one row per step (JSON) for finding stalls.
@@ -628,6 +633,9 @@ def main() -> None:
             RESULTS["a_base_sampled_top_p"] = offline(engine, batch, [None] * len(batch), args.output_len,
                                                       temperature=0.8, top_p=0.95)
             log(f"(a) base, random sampling with top-p: {RESULTS['a_base_sampled_top_p']}")
+            RESULTS["a_base_penalties_logprobs"] = offline(engine, batch, [None] * len(batch), args.output_len,
+                                                           **PENALTIES_AND_LOGPROBS)
+            log(f"(a) base, sampling with penalties and logprobs: {RESULTS['a_base_penalties_logprobs']}")
             if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
                 engine.async_scheduling = False
                 RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)
@@ -635,6 +643,9 @@ def main() -> None:
                 RESULTS["a_base_sampled_sync"] = offline(engine, batch, [None] * len(batch), args.output_len,
                                                          temperature=0.8)
                 log(f"(a) base, random sampling, synchronous steps: {RESULTS['a_base_sampled_sync']}")
+                RESULTS["a_base_penalties_logprobs_sync"] = offline(engine, batch, [None] * len(batch),
+                                                                    args.output_len, **PENALTIES_AND_LOGPROBS)
+                log(f"(a) base, penalties and logprobs, synchronous steps: {RESULTS['a_base_penalties_logprobs_sync']}")
                 RESULTS["decode_base_b64_sync"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
                 log(f"decode base b64, synchronous steps: {RESULTS['decode_base_b64_sync']}")
                 engine.async_scheduling = True
