@@ -57,12 +57,12 @@ class StepInput:
     lora: LoRAStep | None  # None when no token uses an adapter
 
 
-def host_to_device(values: list, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """Host numbers as a tensor on `device` (int64 unless `dtype` says otherwise). To a GPU, through
-    page-locked memory without waiting: a plain copy from pageable memory waits for all the work queued before
-    it, so a step launched while the one before runs (async scheduling) would wait for that one to end before
-    its first kernel."""
-    tensor = torch.tensor(values, dtype=dtype)
+def host_to_device(values: list | torch.Tensor, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host numbers (a list, or a CPU tensor kept as it is) as a tensor on `device` (a list becomes int64 unless
+    `dtype` says otherwise). To a GPU, through page-locked memory without waiting: a plain copy from pageable
+    memory waits for all the work queued before it, so a step launched while the one before runs (async
+    scheduling) would wait for that one to end before its first kernel."""
+    tensor = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

@@ -327,6 +327,19 @@ def test_penalties_apply_per_row():
     assert torch.equal(out, expected)
 
 
+def test_penalties_count_rows_with_empty_outputs_and_prompts_between_others():
+    logits = torch.ones(5, 6)
+    rows = [row(prompt=[], output=[], presence_penalty=1.0, repetition_penalty=2.0),
+            row(prompt=[5], output=[3, 3], frequency_penalty=0.25, repetition_penalty=2.0),
+            row(prompt=[], output=[], frequency_penalty=1.0),
+            row(prompt=[0, 1], output=[], repetition_penalty=4.0),
+            row(prompt=[], output=[4], presence_penalty=0.5)]
+    out = processed(logits, rows)
+    expected = torch.tensor([[1.0] * 6, [1, 1, 1, 0, 1, 0.5], [1.0] * 6, [0.25, 0.25, 1, 1, 1, 1],
+                             [1, 1, 1, 1, 0.5, 1]])
+    assert torch.equal(out, expected)
+
+
 def test_processing_leaves_the_callers_logits_alone():
     logits = torch.ones(1, 4)
     processed(logits, [row(output=[0], presence_penalty=1.0, logit_bias={1: 2.0})])
