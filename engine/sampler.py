@@ -100,13 +100,16 @@ class TopLogprobs:
         return TopLogprobs(*(t.to("cpu", non_blocking=True) for t in (self.chosen, self.ranks, self.values,
                                                                         self.ids)))
 
-    def entries(self, token_ids: list[int]) -> list[dict[int, Logprob]]:
-        """Per row: the num_top most likely tokens plus token_ids[row], with their ranks, as vLLM reports them
-        (decoded_token is left to the caller, which has the tokenizer)."""
+    def entries(self, token_ids: list[int], counts: list[int] | None = None) -> list[dict[int, Logprob]]:
+        """Per row: its counts[row] (default num_top) most likely tokens plus token_ids[row], with their ranks, as
+        vLLM reports them (decoded_token is left to the caller, which has the tokenizer). A chosen token outside
+        its row's count keeps its own rank, whatever other rows asked for (ties could rank it otherwise)."""
+        counts = counts or [self.ids.shape[-1]] * len(token_ids)
         result = []
-        for token_id, lp, rank, top_ids, top_values in zip(token_ids, self.chosen.tolist(), self.ranks.tolist(),
-                                                          self.ids.tolist(), self.values.tolist()):
-            entry = {top_id: Logprob(value, r) for r, (top_id, value) in enumerate(zip(top_ids, top_values), 1)}
+        for token_id, lp, rank, top_ids, top_values, count in zip(
+                token_ids, self.chosen.tolist(), self.ranks.tolist(), self.ids.tolist(), self.values.tolist(), counts):
+            entry = {top_id: Logprob(value, r)
+                     for r, (top_id, value) in enumerate(zip(top_ids[:count], top_values[:count]), 1)}
             entry.setdefault(token_id, Logprob(lp, rank))
             result.append(entry)
         return result
@@ -126,12 +129,9 @@ class RequestedLogprobs:
     def attach(self, sampled: list[SampledToken]) -> None:
         """Sets each asking row's top_logprobs (its k most likely tokens plus the chosen one) and its logprob
         from the same log-softmax."""
-        for i, count, top in zip(self.rows, self.counts, self.top.entries([sampled[i].token_id for i in self.rows])):
-            token_id = sampled[i].token_id
-            entry = dict(list(top.items())[:count])
-            entry.setdefault(token_id, top[token_id])
+        for i, entry in zip(self.rows, self.top.entries([sampled[i].token_id for i in self.rows], self.counts)):
             sampled[i].top_logprobs = entry
-            sampled[i].logprob = entry[token_id].logprob
+            sampled[i].logprob = entry[sampled[i].token_id].logprob
 
 
 class _HostBuffers:
@@ -265,9 +265,11 @@ class Sampler:
         device = logits.device
         cell_index = host_to_device(cells, device).T
         logits.index_put_((cell_index[0], cell_index[1]), host_to_device(biases, device, logits.dtype), accumulate=True)
-        # A bias of +inf forces its token: the row keeps only such tokens, at equal odds (softmax of +inf is NaN)
+        # A bias of +inf forces its token: the row keeps only such tokens, at equal odds (softmax of +inf is NaN). A
+        # token already out (-inf: not allowed, banned) stays out whatever its bias (-inf + inf is NaN).
         index = host_to_device(indices, device)
         biased = logits.index_select(0, index)
+        biased.masked_fill_(biased.isnan(), float("-inf"))
         forced = biased.isposinf()
         logits.index_copy_(0, index, torch.where(forced.any(dim=-1, keepdim=True),
                                                  torch.where(forced, 0.0, float("-inf")), biased))
@@ -413,10 +415,12 @@ def _token_cells(sequences: list[tuple[list[int], ...]], rows: list[SamplingRow]
     faster for 128 rows of 576 tokens."""
     ids = array.array("q")
     lengths = []
-    for parts in sequences:
+    for parts, row in zip(sequences, rows):
         for part in parts:
             ids.extend(part)
         lengths.append(sum(len(part) for part in parts))
+        if row.in_flight_row < 0 and lengths[-1] and ids[-1] < 0:
+            raise ValueError("a sequence ends in an in-flight placeholder but its row has no in_flight_row")
     if not ids:
         return torch.empty(0, dtype=torch.long, device=device)
     tokens = host_to_device(torch.frombuffer(ids, dtype=torch.int64), device)

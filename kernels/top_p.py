@@ -5,7 +5,8 @@ which the tokens more likely than t hold less than top_p. So a token stays when 
 are still below top_p, the most likely token always stays, and ties with the last token of the nucleus stay
 with it (as `top_k` keeps ties with the k-th). `LORASERVE_TOP_P_BACKEND=triton|torch` forces one
 implementation (with `TRITON_INTERPRET=1` the Triton kernel runs on the CPU). The two sum probabilities in a
-different order, so a token whose mass above lies within float32 rounding of top_p may fall on either side.
+different order, so a token whose mass above lies within float32 rounding of top_p may fall on either side (with
+top_p within rounding of the row's whole mass, a tail of tokens holding less than 1e-7 together may).
 """
 from __future__ import annotations
 
@@ -39,8 +40,9 @@ def _threshold(ordered: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 
 def top_p_(probs: torch.Tensor, rows: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zeroes, in place, the tokens outside the nucleus of each listed row of probs [B, V] (float32; rows int64
-    [R], top_p float32 [R] in (0, 1]) and returns probs. The Triton kernel reads nothing back to the host, so a
-    step filtering with it can stay in flight."""
+    [R], each row listed once; top_p float32 [R] in (0, 1): a row with top_p 1 keeps everything, so it is not
+    listed) and returns probs. The Triton kernel reads nothing back to the host, so a step filtering with it can
+    stay in flight."""
     if use_triton(BACKEND_ENV, default=probs.is_cuda):
         from kernels import top_p_triton
 

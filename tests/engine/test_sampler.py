@@ -340,6 +340,29 @@ def test_penalties_count_rows_with_empty_outputs_and_prompts_between_others():
     assert torch.equal(out, expected)
 
 
+def test_a_disallowed_token_stays_out_whatever_its_bias():
+    logits = torch.zeros(1, 6)
+    out = processed(logits, [row(allowed_token_ids=[1, 2], logit_bias={4: float("inf"), 2: 1.0})])
+    assert out.tolist() == [[float("-inf"), 0.0, 1.0, float("-inf"), float("-inf"), float("-inf")]]
+
+
+def test_a_sequence_ending_in_a_placeholder_needs_its_in_flight_row():
+    with pytest.raises(ValueError, match="in_flight_row"):
+        processed(torch.zeros(1, 6), [row(output=[3, IN_FLIGHT_TOKEN], frequency_penalty=1.0)])
+
+
+def test_a_chosen_tokens_rank_does_not_depend_on_what_other_rows_ask_for():
+    """Tied logits: the chosen token's rank counts the tokens strictly more likely, unless it is among the row's own
+    top logprobs, whichever top logprobs another row of the batch wants."""
+    logits = torch.tensor([[5.0, 0.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    alone = sample(logits[:1], [row(temperature=0.0, logprobs=1, allowed_token_ids=[1])])[0]
+    beside = sample(logits, [row(temperature=0.0, logprobs=1, allowed_token_ids=[1]),
+                             row(temperature=0.0, logprobs=6)])[0]
+    assert alone.token_id == beside.token_id == 1
+    assert alone.top_logprobs[1].rank == beside.top_logprobs[1].rank == 2
+    assert alone.top_logprobs == beside.top_logprobs
+
+
 def test_processing_leaves_the_callers_logits_alone():
     logits = torch.ones(1, 4)
     processed(logits, [row(output=[0], presence_penalty=1.0, logit_bias={1: 2.0})])
