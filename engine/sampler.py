@@ -411,8 +411,8 @@ def _token_cells(sequences: list[tuple[list[int], ...]], rows: list[SamplingRow]
                  in_flight_tokens: torch.Tensor | None) -> torch.Tensor:
     """Where each token of each row's sequence (given in parts) falls in an [N, vocab] table, flattened: the index
     row * vocab + token, on the device. A sequence whose row has an in_flight_row ends in a placeholder, replaced by
-    that row of in_flight_tokens (nothing is read back). The ids are gathered in an array, not a nested list: 6x
-    faster for 128 rows of 576 tokens."""
+    that row of in_flight_tokens (nothing is read back). The ids are gathered in an array, not a padded nested list:
+    about 5x less host time for 128 rows of 576 tokens."""
     ids = array.array("q")
     lengths = []
     for parts, row in zip(sequences, rows):
