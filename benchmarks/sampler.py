@@ -1,8 +1,9 @@
 """The full sampler's cost per step (`engine.sampler.Sampler`), against the greedy path, at Llama-3's vocabulary.
 
 Serving's (a) with temperature 0.8 and top-p 0.95 took 13.0 ms a decode step on the H200 against 7.7 ms greedy
-(BENCHMARKS.md, twenty-second session). This times the sampler alone on one step's logits, and its top-p filter
-(`kernels.top_p`) for flat and peaked distributions: `--scales` are the logits' standard deviations (a
+(BENCHMARKS.md, twenty-second session). This times the sampler alone on one step's logits (also with serving.py's
+penalties and logprobs over 512 + 64 tokens a row), and its top-p filter (`kernels.top_p`) for flat and peaked
+distributions: `--scales` are the logits' standard deviations (a
 random-weight model's logits are nearly flat; a trained model's are peaked, so its top-p nucleus is among the few
 hundred candidates the torch path searches before it sorts the whole vocabulary). On CUDA the Triton filter is
 also timed in each of `--triton-configs` (thresholds tested per pass, tile, warps). Each figure is the median
@@ -65,12 +66,18 @@ def case(rows: int, scale: float, device: torch.device, repeats: int, temperatur
     sampler = Sampler(eos_token_ids=set(), vocab_size=VOCAB)
     params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=16)
     sampled_rows = [SamplingRow(params, [1], []) for _ in range(rows)]
+    # chat-like rows: serving.py's penalties and logprobs over a 512-token prompt and 64 tokens out
+    chat = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=128, repetition_penalty=1.1,
+                          frequency_penalty=0.3, presence_penalty=0.3, logprobs=1)
+    token_ids = torch.randint(VOCAB, (rows, 576), generator=torch.Generator().manual_seed(1)).tolist()
+    chat_rows = [SamplingRow(chat, ids[:512], ids[512:]) for ids in token_ids]
     probs = (logits.float() / temperature).softmax(dim=-1)
     index = torch.arange(rows, device=device)
     top_ps = torch.full((rows,), top_p, device=device)
     result = dict(rows=rows, scale=scale, nucleus_tokens=round(nucleus_size(logits, temperature, top_p), 1),
                   greedy_ms=timed_ms(lambda: sampler.greedy(logits), device, repeats),
                   sampled_ms=timed_ms(lambda: sampler(logits, sampled_rows), device, repeats),
+                  penalties_logprobs_ms=timed_ms(lambda: sampler(logits, chat_rows), device, repeats),
                   top_p_ms=timed_ms(lambda: _top_p(probs.clone(), sampled_rows), device, repeats),
                   top_p_torch_ms=timed_ms(lambda: top_p_torch(probs.clone(), index, top_ps), device, repeats),
                   clone_ms=timed_ms(lambda: probs.clone(), device, repeats))
@@ -97,17 +104,17 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     results = []
-    print("| rows | logits std | nucleus tokens | greedy ms | temperature + top-p ms | of which `_top_p` ms "
-          "| torch top-p ms | a clone ms | Triton top-p ms by probes:tile:warps |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| rows | logits std | nucleus tokens | greedy ms | temperature + top-p ms | + penalties, logprobs ms "
+          "| of which `_top_p` ms | torch top-p ms | a clone ms | Triton top-p ms by probes:tile:warps |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for rows in args.rows:
         for scale in args.scales:
             r = case(rows, scale, device, args.repeats, args.temperature, args.top_p, args.triton_configs)
             results.append(r)
             triton_ms = ", ".join(f"{c}: {ms:.3f}" for c, ms in r.get("top_p_triton_ms", {}).items())
             print(f"| {rows} | {scale} | {r['nucleus_tokens']} | {r['greedy_ms']:.2f} | {r['sampled_ms']:.2f} "
-                  f"| {r['top_p_ms']:.2f} | {r['top_p_torch_ms']:.2f} | {r['clone_ms']:.3f} | {triton_ms} |",
-                  flush=True)
+                  f"| {r['penalties_logprobs_ms']:.2f} | {r['top_p_ms']:.2f} | {r['top_p_torch_ms']:.2f} "
+                  f"| {r['clone_ms']:.3f} | {triton_ms} |", flush=True)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
