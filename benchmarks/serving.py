@@ -230,7 +230,7 @@ def _pause_summary(pauses: list[tuple[int, float]]) -> dict:
                 gc_oldest_collections=len(oldest), gc_oldest_seconds=sum(oldest))
 
 
-# Chat-like sampling with every kind of per-row host data the sampler takes but bad_words (`sampler.draws_on_device`)
+# Chat-like sampling: penalties (they read each row's tokens), top-p and logprobs
 PENALTIES_AND_LOGPROBS = dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.3,
                               presence_penalty=0.3, logprobs=1)
 

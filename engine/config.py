@@ -35,8 +35,8 @@ class EngineConfig:
     # CUDA graphs (vLLM's names): "full_and_piecewise" captures whole decode steps and the pieces of mixed
     # steps between attentions (engine/piecewise_graphs.py); "full_decode_only" runs mixed steps eagerly
     cudagraph_mode: str = "full_and_piecewise"
-    # launch each step before reading the previous one's tokens back when they are drawn on the device
-    # (sampler.draws_on_device), so the host's scheduling and bookkeeping overlap the GPU (with CUDA graphs, one
+    # launch each step before reading the previous one's tokens back (they are drawn on the device, whatever the
+    # sampling parameters), so the host's scheduling and bookkeeping overlap the GPU (with CUDA graphs, one
     # process; otherwise steps are synchronous)
     async_scheduling: bool = True
     async_scheduling_eager: bool = False  # overlap without CUDA graphs too (CPU tests: the same code, no gain)

@@ -35,7 +35,6 @@ from .sampler import (
     Sampler,
     SamplingRow,
     compute_logprobs,
-    draws_on_device,
     gather_logprobs,
     is_plain_greedy,
     make_generator,
@@ -390,13 +389,12 @@ class LLMEngine:
         string is seen one step late (its extra token is dropped) and streamed text lags the tokens
         by one step.
 
-        Async scheduling: a step whose tokens are drawn on the device (every sampling parameter but
-        bad_words: `draws_on_device`) is left in flight; the next step is scheduled and launched first, its
-        decode rows' input ids (and its penalties' last tokens) taken on the device from the in-flight
+        Async scheduling: a step is left in flight (its tokens drawn on the device, whatever the sampling
+        parameters); the next step is scheduled and launched first, its decode rows' input ids (and the
+        last output token its penalties and bad words look at) taken on the device from the in-flight
         tokens, and only then are the in-flight tokens read back and appended. The outputs are the same,
         one step later; a sequence that ended in the step read back had one more token computed, which is
-        dropped. A
-        sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
+        dropped. A sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
         next step is scheduled: that step computes a row for it, and the room it leaves is admitted into a
         step later than a synchronous engine would (as vLLM's async scheduling does); one ending by its
         length makes room at once. When the next step cannot be scheduled before the tokens are read (a
@@ -436,12 +434,10 @@ class LLMEngine:
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
-        running sequence, the sequences it samples for take tokens drawn on the device (`draws_on_device`: no
-        bad_words), and it records no prompt logprobs (they read the step's hidden states back). An eager step
+        running sequence and it records no prompt logprobs (they read the step's hidden states back). An eager step
         qualifies too: a long prompt's launch takes less time than its work."""
         return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)
-                and all((not item.samples or draws_on_device(item.seq.request.params))
-                        and not _records_prompt_logprobs(item) for item in scheduled))
+                and not any(_records_prompt_logprobs(item) for item in scheduled))
 
     def drain(self) -> list[RequestOutput]:
         """Read back the step in flight, if any, and return its outputs: afterwards every sequence's
@@ -559,8 +555,8 @@ class LLMEngine:
 
     def _sample_pending(self, logits: torch.Tensor, seqs: list[Sequence],
                         previous: InFlightStep | None) -> PendingTokens:
-        """_sample's tokens left on the device, for sequences that all `draws_on_device`; those `previous` sampled
-        for find their last token among its tokens on the device."""
+        """_sample's tokens left on the device; the sequences `previous` sampled for find their last token among
+        its tokens on the device."""
         if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
             return self.sampler.greedy_pending(logits)
         in_flight = previous.rows if previous is not None and previous.tokens is not None else {}

@@ -206,11 +206,10 @@ class Sampler:
     @torch.no_grad()
     def pending(self, logits: torch.Tensor, rows: list[SamplingRow],
                 in_flight_tokens: torch.Tensor | None = None) -> PendingTokens:
-        """__call__'s tokens and logprobs for rows that all `draws_on_device`, left on the device like
-        greedy_pending's: nothing here waits for the device, so a step can stay in flight. in_flight_tokens: the
-        step in flight's tokens, where rows with an in_flight_row find their last output token (penalties)."""
-        if not all(draws_on_device(row.params) for row in rows):
-            raise ValueError("pending() takes only rows whose tokens are drawn on the device (draws_on_device)")
+        """__call__'s tokens and logprobs left on the device like greedy_pending's: nothing here waits for the
+        device, so a step can stay in flight (host lists reach the device from page-locked memory; top-p runs in
+        `kernels.top_p`; top logprobs travel with the tokens). in_flight_tokens: the step in flight's tokens,
+        where rows with an in_flight_row find their last output token (penalties, bad words)."""
         raw = logits[:, : self.vocab_size].float()
         token_ids = self._choose(self.process_logits(raw, rows, in_flight_tokens), rows)
         return self._left_on_device(token_ids, _chosen_logprobs(raw, token_ids),
@@ -250,7 +249,7 @@ class Sampler:
         if allowed_rows:
             self._apply_allowed_tokens(logits, [rows[i] for i in allowed_rows], allowed_rows)
         if bad_word_rows:
-            _ban(logits, [(i, token_id) for i in bad_word_rows for token_id in _bad_word_ends(rows[i])])
+            self._apply_bad_words(logits, [rows[i] for i in bad_word_rows], bad_word_rows, in_flight_tokens)
         if bias_rows:
             self._apply_logit_bias(logits, [rows[i] for i in bias_rows], bias_rows)
         if min_rows:
@@ -258,6 +257,26 @@ class Sampler:
         if penalty_rows:
             self._apply_penalties(logits, [rows[i] for i in penalty_rows], penalty_rows, in_flight_tokens)
         return logits
+
+    def _apply_bad_words(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int],
+                         in_flight_tokens: torch.Tensor | None) -> None:
+        """vLLM's rule: a bad word's last token is banned once the output ends in the rest of the word. Where the
+        output's last token is still in flight, a word whose other tokens match is banned on the device, if that
+        token is the one it needs."""
+        banned, if_in_flight = [], []
+        for i, row in zip(indices, rows):
+            for token_id, needed in _bad_word_ends(row):
+                if needed is None:
+                    banned.append((i, token_id))
+                else:
+                    if_in_flight.append((i, token_id, row.in_flight_row, needed))
+        _ban(logits, banned)
+        if if_in_flight:
+            cells = host_to_device(if_in_flight, logits.device).T
+            hit = in_flight_tokens.index_select(0, cells[2]) == cells[3]
+            # adding 0 or -inf: repeated cells agree whatever order they are written in
+            logits.index_put_((cells[0], cells[1]), torch.where(hit, float("-inf"), 0.0).to(logits.dtype),
+                              accumulate=True)
 
     def _apply_logit_bias(self, logits: torch.Tensor, rows: list[SamplingRow], indices: list[int]) -> None:
         cells = [(i, token_id) for i, row in zip(indices, rows) for token_id in row.params.logit_bias]
@@ -370,29 +389,28 @@ def is_plain_greedy(params: SamplingParams, num_output_tokens: int) -> bool:
             and not params.bad_words and num_output_tokens >= params.min_tokens and not _has_penalty(params))
 
 
-def draws_on_device(params: SamplingParams) -> bool:
-    """True when a row's token needs nothing from the host after its logits (`Sampler.pending`): every sampling
-    parameter but bad_words (whose match reads the output's last tokens on the host). Greedy, temperature, min-p,
-    top-k and top-p draws all qualify (on a GPU, top-p reads nothing back: `kernels.top_p`), top logprobs
-    (computed on the device and copied back with the tokens), logit_bias, allowed_token_ids and min_tokens (host
-    lists sent from page-locked memory), and penalties (the step in flight's token taken on the device)."""
-    return not params.bad_words
-
-
 def _chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Each row's chosen token's log-probability under the raw logits (float32)."""
     return raw.gather(1, token_ids[:, None]).squeeze(1) - torch.logsumexp(raw, dim=-1)
 
 
-def _bad_word_ends(row: SamplingRow) -> list[int]:
-    """The tokens that would complete one of the row's bad words after its output so far (vLLM's rule: a
-    word's last token is banned once the output ends in the rest of the word)."""
+def _bad_word_ends(row: SamplingRow) -> list[tuple[int, int | None]]:
+    """(token, needed) for each bad word of the row whose last token the output so far may complete: needed is
+    None when the output ends in the rest of the word, or the token the output's last, still in flight
+    (`in_flight_row`), must be for it to, when the tokens before that one match."""
     output = row.output_token_ids
+    in_flight = row.in_flight_row >= 0
     ends = []
     for word in row.bad_words_token_ids:
         prefix = word[:-1]
-        if len(prefix) <= len(output) and output[len(output) - len(prefix):] == prefix:
-            ends.append(word[-1])
+        if len(prefix) > len(output):
+            continue
+        tail = output[len(output) - len(prefix):]
+        if not prefix or not in_flight:
+            if tail == prefix:
+                ends.append((word[-1], None))
+        elif tail[:-1] == prefix[:-1]:
+            ends.append((word[-1], prefix[-1]))
     return ends
 
 

@@ -5,7 +5,6 @@ from engine.sampler import (
     Sampler,
     SamplingRow,
     compute_logprobs,
-    draws_on_device,
     gather_logprobs,
     is_plain_greedy,
     make_generator,
@@ -80,26 +79,9 @@ def test_plain_greedy_rows_are_those_the_general_path_leaves_at_the_raw_argmax(p
     assert is_plain_greedy(params, num_output) is plain
 
 
-@pytest.mark.parametrize("params, on_device", [
-    (SamplingParams(temperature=0.0), True),
-    (SamplingParams(temperature=0.7, seed=1), True),
-    (SamplingParams(temperature=0.7, top_k=5, min_p=0.1), True),
-    (SamplingParams(temperature=0.7, top_p=0.9), True),
-    (SamplingParams(temperature=0.7, logprobs=1), True),
-    (SamplingParams(temperature=0.0, logprobs=0), True),
-    (SamplingParams(temperature=0.7, min_tokens=3), True),
-    (SamplingParams(temperature=0.7, presence_penalty=0.5, frequency_penalty=0.2, repetition_penalty=1.1), True),
-    (SamplingParams(temperature=0.7, allowed_token_ids=[1]), True),
-    (SamplingParams(temperature=0.0, logit_bias={1: 2.0}), True),
-    (SamplingParams(temperature=0.7, bad_words=["x"]), False),
-])
-def test_rows_drawn_on_the_device_are_those_needing_no_host_tokens_after_the_logits(params, on_device):
-    assert draws_on_device(params) is on_device
-
-
 def rows_drawn_on_the_device(device):
     """Greedy, temperature, top-k, min-p and top-p rows, seeded and not, with top logprobs, logit bias, allowed
-    tokens, min_tokens and penalties; fresh generators each call."""
+    tokens, min_tokens, penalties and bad words; fresh generators each call."""
     return [row(temperature=0.0), row(temperature=0.8, generator=make_generator(5, 0, device)),
             row(temperature=1.2, top_k=7, generator=make_generator(5, 1, device)),
             row(temperature=1.0, min_p=0.05, generator=make_generator(9, 0, device)),
@@ -110,12 +92,13 @@ def rows_drawn_on_the_device(device):
             row(temperature=0.9, allowed_token_ids=[3, 4, 11], generator=make_generator(4, 0, device)),
             row(temperature=0.0, min_tokens=4, output=[5]),
             row(temperature=0.8, presence_penalty=1.5, frequency_penalty=0.5, repetition_penalty=1.3, prompt=[4, 8],
-                output=[6, 6, 12], generator=make_generator(4, 1, device))]
+                output=[6, 6, 12], generator=make_generator(4, 1, device)),
+            row(temperature=0.0, output=[3, 5], bad_words=[[5, 9], [4]])]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_pending_draws_what_a_call_draws_and_reports_the_same_logprobs(device):
-    logits = random_logits(12, device=device)
+    logits = random_logits(13, device=device)
     sampler = Sampler({EOS}, VOCAB)
     drawn = sampler.pending(logits, rows_drawn_on_the_device(device)).result()
     called = sampler(logits, rows_drawn_on_the_device(device))
@@ -139,10 +122,23 @@ def test_a_penalized_row_finds_its_last_token_among_the_tokens_in_flight(device)
     assert not torch.equal(sampler.process_logits(logits, known), logits)
 
 
-def test_pending_refuses_a_row_that_needs_the_host():
-    with pytest.raises(ValueError, match="draws_on_device"):
-        Sampler({EOS}, VOCAB).pending(random_logits(1), [row(SamplingParams(temperature=0.7, bad_words=["x"]),
-                                                             bad_words=[[5]])])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_flight_token", [8, 9], ids=["completes-the-word", "does-not"])
+def test_a_bad_word_waiting_on_the_token_in_flight_is_banned_on_the_device(device, in_flight_token):
+    """The output's last token is still in flight: a word whose tokens before it match is banned if, on the device,
+    that token is the one the word needs. Single-token words and words already matched on the host are banned as
+    before; words whose host tokens do not match are not."""
+    logits = random_logits(2, device=device)
+    words = [[7, 8, 11], [5, 8, 12], [13], [8, 14], [6, 15], [7, 9, 16]]
+    in_flight = torch.tensor([0, in_flight_token], device=device)
+    placeholder = [SamplingRow(SamplingParams(), [], [1, 7, IN_FLIGHT_TOKEN], None, words, in_flight_row=1),
+                   SamplingRow(SamplingParams(), [], [6, IN_FLIGHT_TOKEN], None, words, in_flight_row=0)]
+    known = [row(output=[1, 7, in_flight_token], bad_words=words), row(output=[6, 0], bad_words=words)]
+    sampler = Sampler({EOS}, VOCAB)
+    on_device = sampler.process_logits(logits, placeholder, in_flight)
+    assert torch.equal(on_device, sampler.process_logits(logits, known))
+    banned = [(on_device[r] == float("-inf")).nonzero().flatten().tolist() for r in range(2)]
+    assert banned == [[11, 13, 14] if in_flight_token == 8 else [13, 16], [13]]
 
 
 @pytest.mark.gpu
