@@ -79,7 +79,7 @@ def test_plain_greedy_rows_are_those_the_general_path_leaves_at_the_raw_argmax(p
     assert is_plain_greedy(params, num_output) is plain
 
 
-def rows_drawn_on_the_device(device):
+def rows_of_every_kind(device):
     """Greedy, temperature, top-k, min-p and top-p rows, seeded and not, with top logprobs, logit bias, allowed
     tokens, min_tokens, penalties and bad words; fresh generators each call."""
     return [row(temperature=0.0), row(temperature=0.8, generator=make_generator(5, 0, device)),
@@ -100,8 +100,8 @@ def rows_drawn_on_the_device(device):
 def test_pending_draws_what_a_call_draws_and_reports_the_same_logprobs(device):
     logits = random_logits(13, device=device)
     sampler = Sampler({EOS}, VOCAB)
-    drawn = sampler.pending(logits, rows_drawn_on_the_device(device)).result()
-    called = sampler(logits, rows_drawn_on_the_device(device))
+    drawn = sampler.pending(logits, rows_of_every_kind(device)).result()
+    called = sampler(logits, rows_of_every_kind(device))
     assert [(t.token_id, t.logprob, t.top_logprobs) for t in drawn] == [(t.token_id, t.logprob, t.top_logprobs)
                                                                         for t in called]
     assert [len(t.top_logprobs or ()) for t in drawn][6:8] in ([3, 1], [3, 2])
