@@ -25,8 +25,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.sampler import Sampler, SamplingRow, _top_p  # noqa: E402
+from engine.sampler import Sampler, _top_p  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from engine.sampling_row import SamplingRow  # noqa: E402
 from kernels.top_p import top_p_torch  # noqa: E402
 
 VOCAB = 128256

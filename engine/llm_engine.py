@@ -29,17 +29,10 @@ from .model_loader import (
 )
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
-from .sampler import (
-    PendingTokens,
-    SampledToken,
-    Sampler,
-    SamplingRow,
-    compute_logprobs,
-    gather_logprobs,
-    is_plain_greedy,
-    make_generator,
-)
+from .logprobs import compute_logprobs, gather_logprobs
+from .sampler import PendingTokens, SampledToken, Sampler, is_plain_greedy, make_generator
 from .sampling_params import SamplingParams, bad_words_token_ids
+from .sampling_row import SamplingRow
 from .scheduler import ScheduledSequence, Scheduler
 from .sequence import IN_FLIGHT_TOKEN, Request, Sequence, SequenceStatus
 from .step_input import DeviceTokens, host_to_device

@@ -1,15 +1,11 @@
 import pytest
 import torch
 
-from engine.sampler import (
-    Sampler,
-    SamplingRow,
-    compute_logprobs,
-    gather_logprobs,
-    is_plain_greedy,
-    make_generator,
-)
+from engine.logits_processors import process_logits
+from engine.logprobs import compute_logprobs, gather_logprobs
+from engine.sampler import Sampler, is_plain_greedy, make_generator
 from engine.sampling_params import SamplingParams
+from engine.sampling_row import SamplingRow
 from engine.sequence import IN_FLIGHT_TOKEN
 
 EOS = 2
@@ -117,9 +113,8 @@ def test_a_penalized_row_finds_its_last_token_among_the_tokens_in_flight(device)
     placeholder = [SamplingRow(params, [4], [6, 12, IN_FLIGHT_TOKEN], in_flight_row=2),
                    SamplingRow(params, [4], [IN_FLIGHT_TOKEN], in_flight_row=0)]
     known = [row(params, prompt=[4], output=[6, 12, 40]), row(params, prompt=[4], output=[31])]
-    sampler = Sampler({EOS}, VOCAB)
-    assert torch.equal(sampler.process_logits(logits, placeholder, in_flight), sampler.process_logits(logits, known))
-    assert not torch.equal(sampler.process_logits(logits, known), logits)
+    assert torch.equal(process_logits(logits, placeholder, {EOS}, in_flight), process_logits(logits, known, {EOS}))
+    assert not torch.equal(process_logits(logits, known, {EOS}), logits)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -134,9 +129,8 @@ def test_a_bad_word_waiting_on_the_token_in_flight_is_banned_on_the_device(devic
     placeholder = [SamplingRow(SamplingParams(), [], [1, 7, IN_FLIGHT_TOKEN], None, words, in_flight_row=1),
                    SamplingRow(SamplingParams(), [], [6, IN_FLIGHT_TOKEN], None, words, in_flight_row=0)]
     known = [row(output=[1, 7, in_flight_token], bad_words=words), row(output=[6, 0], bad_words=words)]
-    sampler = Sampler({EOS}, VOCAB)
-    on_device = sampler.process_logits(logits, placeholder, in_flight)
-    assert torch.equal(on_device, sampler.process_logits(logits, known))
+    on_device = process_logits(logits, placeholder, {EOS}, in_flight)
+    assert torch.equal(on_device, process_logits(logits, known, {EOS}))
     banned = [(on_device[r] == float("-inf")).nonzero().flatten().tolist() for r in range(2)]
     assert banned == [[11, 13, 14] if in_flight_token == 8 else [13, 16], [13]]
 
@@ -290,7 +284,7 @@ def test_generator_streams_differ_by_completion_index():
 
 
 def processed(logits, rows):
-    return Sampler({EOS}, logits.shape[-1]).process_logits(logits, rows)
+    return process_logits(logits, rows, {EOS})
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_seen_logits():
