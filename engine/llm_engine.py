@@ -29,7 +29,7 @@ from .model_loader import (
 )
 from .model_runner import ModelRunner
 from .outputs import CompletionOutput, RequestOutput
-from .logprobs import compute_logprobs, gather_logprobs
+from .logprobs import PromptLogprobs, compute_logprobs
 from .sampler import PendingTokens, SampledToken, Sampler, is_plain_greedy, make_generator
 from .sampling_params import SamplingParams, bad_words_token_ids
 from .sampling_row import SamplingRow
@@ -56,6 +56,7 @@ class InFlightStep:
     seqs: list[Sequence]  # one per sampled row, in order
     tokens: PendingTokens | None  # None when it samples for no sequence (prompt chunks only)
     rows: dict[int, int]  # seq_id -> its row in tokens
+    prompt_logprobs: list[PromptLogprobs]  # read back with the tokens
 
 
 @dataclass
@@ -383,14 +384,14 @@ class LLMEngine:
         by one step.
 
         Async scheduling: a step is left in flight (its tokens drawn on the device, whatever the sampling
-        parameters); the next step is scheduled and launched first, its decode rows' input ids (and the
-        last output token its penalties and bad words look at) taken on the device from the in-flight
-        tokens, and only then are the in-flight tokens read back and appended. The outputs are the same,
-        one step later; a sequence that ended in the step read back had one more token computed, which is
-        dropped. A sequence ending by a token (EOS, a stop token) in the step in flight is not known to end when the
-        next step is scheduled: that step computes a row for it, and the room it leaves is admitted into a
-        step later than a synchronous engine would (as vLLM's async scheduling does); one ending by its
-        length makes room at once. When the next step cannot be scheduled before the tokens are read (a
+        parameters, and its prompt logprobs computed there); the next step is scheduled and launched first, its
+        decode rows' input ids (and the last output token its penalties and bad words look at) taken on the
+        device from the in-flight tokens, and only then are the in-flight tokens read back and appended. The
+        outputs are the same, one step later; a sequence that ended in the step read back had one more token
+        computed, which is dropped. A sequence ending by a token (EOS, a stop token) in the step in flight is not
+        known to end when the next step is scheduled: that step computes a row for it, and the room it leaves is
+        admitted into a step later than a synchronous engine would (as vLLM's async scheduling does); one ending
+        by its length makes room at once. When the next step cannot be scheduled before the tokens are read (a
         preemption is due), the step in flight is drained first."""
         if self._in_flight is not None:
             return self._step_after_in_flight()
@@ -411,7 +412,8 @@ class LLMEngine:
                   outputs: dict[str, RequestOutput]) -> dict[str, RequestOutput]:
         """A synchronous step after its forward's launch: prompt logprobs, the previous step's detokenization,
         sampling. outputs: those built already this step (newer ones replace them)."""
-        self._record_prompt_logprobs(scheduled, result)
+        for prompt_logprobs in self._prompt_logprobs(scheduled, result):
+            prompt_logprobs.attach(self.token_texts.fill)
         sampling = [i for i, item in enumerate(scheduled) if item.samples]
         logits = None
         if sampling:
@@ -427,10 +429,8 @@ class LLMEngine:
 
     def _may_leave_in_flight(self, scheduled: list[ScheduledSequence]) -> bool:
         """A step may stay in flight when the next can be scheduled before its tokens are read: it covers every
-        running sequence and it records no prompt logprobs (they read the step's hidden states back). An eager step
-        qualifies too: a long prompt's launch takes less time than its work."""
-        return (self.async_scheduling and len(scheduled) == len(self.scheduler.running)
-                and not any(_records_prompt_logprobs(item) for item in scheduled))
+        running sequence. An eager step qualifies too: a long prompt's launch takes less time than its work."""
+        return self.async_scheduling and len(scheduled) == len(self.scheduler.running)
 
     def drain(self) -> list[RequestOutput]:
         """Read back the step in flight, if any, and return its outputs: afterwards every sequence's
@@ -473,6 +473,7 @@ class LLMEngine:
         """Launch a step whose tokens are drawn on the device, decode rows first (their inputs from `previous`'s
         tokens on the device), then read `previous` back while the device computes it; the step stays in flight."""
         result = self.runner.execute(scheduled, self._adapter_slots(scheduled), _device_tokens(scheduled, previous))
+        prompt_logprobs = self._prompt_logprobs(scheduled, result, previous.prompt_logprobs if previous else ())
         sampling = [(start + item.num_new_tokens - 1, item.seq)
                     for start, item in zip(result.starts, scheduled) if item.samples]
         seqs = [seq for _, seq in sampling]
@@ -482,7 +483,8 @@ class LLMEngine:
             tokens = self._sample_pending(self.model.compute_logits(_take_rows(result.hidden, rows)), seqs, previous)
         for item in scheduled:
             item.seq.num_computed_tokens += item.num_new_tokens
-        self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)})
+        self._in_flight = InFlightStep(seqs, tokens, {seq.seq_id: row for row, seq in enumerate(seqs)},
+                                       prompt_logprobs)
         outputs = self._read_back(previous)
         for seq in seqs:  # after the outputs: they never show a placeholder
             if seq.status is not SequenceStatus.FINISHED:
@@ -490,9 +492,12 @@ class LLMEngine:
         return list(outputs.values())
 
     def _read_back(self, step: InFlightStep | None) -> dict[str, RequestOutput]:
-        """What a synchronous step does after its forward, for the step in flight: detokenize the tokens
-        appended before, then wait for its tokens and append them (none for a sequence that ended)."""
+        """What a synchronous step does after its forward, for the step in flight: record its prompt logprobs,
+        detokenize the tokens appended before, then wait for its tokens and append them (none for a sequence that
+        ended)."""
         seqs = step.seqs if step is not None else []
+        for prompt_logprobs in step.prompt_logprobs if step is not None else ():
+            prompt_logprobs.attach(self.token_texts.fill)
         for seq in seqs:
             seq.drop_in_flight_token()
         outputs = {request_id: self._output(request)
@@ -561,23 +566,28 @@ class LLMEngine:
         return SamplingRow(request.params, request.prompt_token_ids, seq.output_token_ids, seq.generator,
                            request.bad_words_token_ids, in_flight_row)
 
-    def _record_prompt_logprobs(self, scheduled: list[ScheduledSequence], result) -> None:
+    def _prompt_logprobs(self, scheduled: list[ScheduledSequence], result,
+                         pending: list[PromptLogprobs] = ()) -> list[PromptLogprobs]:
+        """The prompt logprobs of this step's prompt positions whose requests ask for them, computed on the device.
+        pending: those of the step in flight, not yet in their records; counted as recorded, should a sequence
+        recompute positions they cover (a preemption drains the step in flight first, so none does now)."""
+        computed = []
         for i, item in enumerate(scheduled):
             seq, request = item.seq, item.seq.request
             record = request.prompt_logprobs
-            if record is None or seq.index != 0 or len(record) >= seq.num_prompt_tokens:
+            if record is None or seq.index != 0:
                 continue
+            recorded = len(record) + sum(len(p.targets) for p in pending if p.record is record)
             start = seq.num_computed_tokens
             end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
-            first = max(start, len(record) - 1)  # a preempted sequence recomputes positions already recorded
+            first = max(start, recorded - 1)  # a preempted sequence recomputes positions already recorded
             if end <= first:
                 continue
             offset = result.starts[i] + first - start
-            hidden = result.hidden[offset:offset + end - first]
-            logprobs = compute_logprobs(self.model.compute_logits(hidden))
-            targets = seq.token_ids[first + 1:end + 1]
-            positions = gather_logprobs(logprobs, targets, request.params.prompt_logprobs)
-            record.extend(map(self.token_texts.fill, positions))
+            logprobs = compute_logprobs(self.model.compute_logits(result.hidden[offset:offset + end - first]))
+            computed.append(PromptLogprobs(record, logprobs, seq.token_ids[first + 1:end + 1],
+                                           request.params.prompt_logprobs))
+        return computed
 
     def _append_token(self, seq: Sequence, token) -> bool:
         """Record a sampled token; True when the sequence goes on and its detokenization is deferred."""
@@ -651,13 +661,6 @@ def _completion(seq: Sequence) -> CompletionOutput:
 def _decodes_first(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
     """The step's sequences with one new token first (they share one batched decode attention), in order."""
     return sorted(scheduled, key=lambda item: item.num_new_tokens != 1)
-
-
-def _records_prompt_logprobs(item: ScheduledSequence) -> bool:
-    """True when the step computes prompt positions whose logprobs the request asked for (all but the last
-    prompt token predict one)."""
-    seq = item.seq
-    return seq.request.params.prompt_logprobs is not None and seq.num_computed_tokens < seq.num_prompt_tokens - 1
 
 
 def _device_tokens(scheduled: list[ScheduledSequence], previous: InFlightStep | None) -> DeviceTokens | None:

@@ -3,11 +3,11 @@ the device and read on the host with the tokens."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from engine.outputs import Logprob
+from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_row import SamplingRow
 from engine.step_input import host_to_device
 
@@ -77,12 +77,29 @@ def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().log_softmax(dim=-1)
 
 
-def gather_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: int) -> list[dict[int, Logprob]]:
-    """Per row of logprobs [N, V]: the num_top most likely tokens plus token_ids[row], with their ranks, as
-    vLLM reports them. The engine uses this for prompt_logprobs (row i holds the distribution that predicted
-    token_ids[i])."""
-    chosen = torch.tensor(token_ids, device=logprobs.device)
-    return TopLogprobs.compute(logprobs, chosen, num_top).entries(token_ids)
+class PromptLogprobs:
+    """The prompt logprobs one step computed for one request: per row of logprobs [N, V], the num_top most likely
+    tokens plus targets[row] (the prompt token that row predicted), with their ranks, as vLLM reports them. Computed
+    on the device and copied back without waiting, so the step can stay in flight; `attach` appends them to the
+    request's record once the host reads the step back."""
+
+    def __init__(self, record: list[PositionLogprobs | None], logprobs: torch.Tensor, targets: list[int],
+                 num_top: int):
+        self.record = record
+        self.targets = targets
+        top = TopLogprobs.compute(logprobs, host_to_device(targets, logprobs.device), num_top)
+        self._event = None
+        if logprobs.is_cuda:
+            top = top.to_host()
+            self._event = torch.cuda.Event()
+            self._event.record()
+        self._top = top
+
+    def attach(self, fill: Callable[[PositionLogprobs], PositionLogprobs]) -> None:
+        """Waits for this step's copies alone; fill sets each entry's decoded tokens."""
+        if self._event is not None:
+            self._event.synchronize()
+        self.record.extend(map(fill, self._top.entries(self.targets)))
 
 
 def chosen_logprobs(raw: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:

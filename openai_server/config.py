@@ -120,8 +120,8 @@ OPTIONS: tuple[_Option, ...] = (
             "piece, with attention between the pieces; full_decode_only runs mixed steps eagerly "
             "(default full_and_piecewise).", choices=CUDAGRAPH_MODES),
     _Option("async_scheduling", "On CUDA with graphs, launch the next step before the previous step's tokens "
-            "are read back (they are drawn on the device whatever the sampling parameters; not while a request "
-            "records prompt logprobs) (default on; --no-async-scheduling turns it off).", "bool"),
+            "are read back (they, their top logprobs and prompt logprobs are computed on the device whatever the "
+            "sampling parameters) (default on; --no-async-scheduling turns it off).", "bool"),
     _Option("seed", "Engine random seed (default 0).", "int"),
     _Option("enable_lora", "Serve LoRA adapters (switched on by itself when adapters are given).", "bool"),
     _Option("lora_modules", "vLLM-style adapters: NAME=PATH or JSON {\"name\",\"path\",\"base_model_name\"}; "

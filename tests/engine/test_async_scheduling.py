@@ -126,10 +126,13 @@ def assert_same(sync_outputs, async_outputs) -> None:
 
 
 def assert_streams_consistent(r: Run) -> None:
-    """No output ever shows a placeholder or a token the request does not end with."""
+    """No output ever shows a placeholder or a token the request does not end with, nor part of its prompt
+    logprobs (those of a step in flight are recorded when it is read back)."""
     for request_id, outputs in r.streamed.items():
         final = r.final[request_id]
         for output in outputs:
+            if output.prompt_logprobs is not None:
+                assert len(output.prompt_logprobs) == len(output.prompt_token_ids)
             for completion, last in zip(output.outputs, final.outputs):
                 assert IN_FLIGHT_TOKEN not in completion.token_ids
                 assert completion.token_ids == last.token_ids[:len(completion.token_ids)]
@@ -198,7 +201,8 @@ def test_stop_strings_end_sequences_as_in_sync_mode(engines, monkeypatch, includ
 
 
 def test_n_completions_per_request_match_sync_mode(engines, monkeypatch):
-    compare(engines, monkeypatch, [(PROMPTS[0], greedy(9, n=3)), (PROMPTS[4], greedy(14, n=2, ignore_eos=False))])
+    compare(engines, monkeypatch, [(PROMPTS[0], greedy(9, n=3, prompt_logprobs=1)),
+                                   (PROMPTS[4], greedy(14, n=2, ignore_eos=False))])
 
 
 def _three_steps_in(engines, monkeypatch):
@@ -270,14 +274,23 @@ def test_a_request_arriving_mid_run_is_admitted_in_a_step_that_stays_in_flight(e
     assert len(launched) == 2
 
 
-def test_an_admitting_step_recording_prompt_logprobs_is_synchronous(engines, monkeypatch):
+def test_an_admitting_step_recording_prompt_logprobs_stays_in_flight(engines, monkeypatch):
+    """The prompt logprobs are computed on the device with the step and recorded when it is read back."""
     launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
     expected, r = compare(engines, monkeypatch, [(PROMPTS[1], greedy(6, prompt_logprobs=1)), (PROMPTS[2], greedy(6))])
-    assert launched == []
+    assert len(launched) == 1
     assert len(expected[0].prompt_logprobs) == len(expected[0].prompt_token_ids)
     assert r.final[min(r.final, key=int)].prompt_logprobs == expected[0].prompt_logprobs
-    # all but the first decode step after it: 4, and a 5th whose tokens are dropped
-    assert r.overlapped_steps == 5
+    # every decode step after it: 5, and a 6th whose tokens are dropped
+    assert r.overlapped_steps == 6
+
+
+def test_requests_scoring_their_prompts_overlap_and_end_with_every_prompt_logprob(engines, monkeypatch):
+    """One token each and prompt logprobs (how evaluation harnesses score text): each ends in the step that reads
+    its first token back, its output built with the prompt logprobs its step computed."""
+    launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
+    expected, _ = compare(engines, monkeypatch, [(p, greedy(1, prompt_logprobs=1)) for p in PROMPTS[:3]])
+    assert launched and all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in expected)
 
 
 def arrivals_by_forward(engines, monkeypatch, arrivals, *, same_admissions: bool = True) -> Run:
@@ -302,23 +315,30 @@ def arrivals_by_forward(engines, monkeypatch, arrivals, *, same_admissions: bool
     return runs[1]
 
 
-def test_every_prompt_chunk_stays_in_flight(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("prompt_logprobs", [None, 2], ids=["plain", "recording-prompt-logprobs"])
+def test_every_prompt_chunk_stays_in_flight(tiny_llama, monkeypatch, prompt_logprobs):
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=5),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=5))
     launched = _admitting_steps_left_in_flight(engines[1], monkeypatch)
-    compare(engines, monkeypatch, [(PROMPTS[1], greedy(6))])
+    compare(engines, monkeypatch, [(PROMPTS[1], greedy(6, prompt_logprobs=prompt_logprobs))])
     num_prompt = len(engines[1].tokenize(PROMPTS[1]))
     assert launched == [5] * (num_prompt // 5) + [num_prompt % 5] * bool(num_prompt % 5)
 
 
 @pytest.mark.parametrize("budget", [1, 2])
 def test_one_token_prompt_chunks_record_their_prompt_logprobs(tiny_llama, monkeypatch, budget):
-    """A chunk that records prompt logprobs is synchronous, even of one token beside decode rows."""
+    """Chunks of one token beside decode rows record their prompt logprobs in flight, each read back after the
+    next chunk is launched."""
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=budget),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=budget))
+    launches = []
+    launch = engines[1]._launch_in_flight
+    monkeypatch.setattr(engines[1], "_launch_in_flight",
+                        lambda scheduled, previous: launches.append(previous) or launch(scheduled, previous))
     r = arrivals_by_forward(engines, monkeypatch, [(0, [7], greedy(5)),
                                                    (2, list(range(100, 110)), greedy(2, prompt_logprobs=0))])
     assert len(r.final[max(r.final, key=int)].prompt_logprobs) == 10
+    assert r.drains == 0 and len(launches) == r.forwards
 
 
 def test_prompts_chunked_beside_a_sequence_ending_by_eos_give_the_synchronous_tokens(tiny_llama, monkeypatch):
@@ -496,7 +516,8 @@ def test_aborting_everything_in_flight_leaves_nothing_behind(engines, monkeypatc
 def test_preemption_under_a_tiny_kv_cache_gives_the_synchronous_tokens(tiny_llama, monkeypatch):
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, num_kv_blocks=24),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, num_kv_blocks=24))
-    _, r = compare(engines, monkeypatch, [(p, greedy(24)) for p in PROMPTS])
+    requests = [(p, greedy(24, prompt_logprobs=2 if i % 2 else None)) for i, p in enumerate(PROMPTS)]
+    _, r = compare(engines, monkeypatch, requests)
     assert engines[1].scheduler.num_preemptions > 0
     assert r.overlapped_steps > 0
 

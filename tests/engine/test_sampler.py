@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from engine.logits_processors import process_logits
-from engine.logprobs import compute_logprobs, gather_logprobs
+from engine.logprobs import PromptLogprobs, compute_logprobs
 from engine.sampler import Sampler, is_plain_greedy, make_generator
 from engine.sampling_params import SamplingParams
 from engine.sampling_row import SamplingRow
@@ -453,19 +453,37 @@ def test_compute_logprobs_is_float32_log_softmax():
     assert torch.allclose(out, torch.log_softmax(logits.float(), dim=-1))
 
 
-def test_gather_logprobs_reports_prompt_tokens_with_their_top_alternatives():
-    logprobs = compute_logprobs(random_logits(3, seed=9))
+def prompt_entries(logprobs, targets, num_top):
+    """What PromptLogprobs appends to a record (after the first prompt token's None)."""
+    record = [None]
+    PromptLogprobs(record, logprobs, targets, num_top).attach(lambda position: position)
+    return record[1:]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_logprobs_report_prompt_tokens_with_their_top_alternatives(device):
+    logprobs = compute_logprobs(random_logits(3, seed=9, device=device))
     targets = [int(logprobs[0].argmin()), int(logprobs[1].argmax()), 4]
-    entries = gather_logprobs(logprobs, targets, 2)
+    entries = prompt_entries(logprobs, targets, 2)
     for entry, lp_row, target in zip(entries, logprobs, targets):
         assert set(entry) == set(lp_row.topk(2).indices.tolist()) | {target}
         assert entry[target].logprob == pytest.approx(lp_row[target].item())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_prompt_logprobs_reach_the_record_only_when_attached(device):
+    """A step in flight computes them; the host appends them when it reads the step back."""
+    record = [None, {}]
+    computed = PromptLogprobs(record, compute_logprobs(random_logits(2, seed=11, device=device)), [3, 5], 1)
+    assert record == [None, {}]
+    computed.attach(lambda position: position)
+    assert len(record) == 4 and 3 in record[2] and 5 in record[3]
+
+
 def test_logprob_ranks_count_the_more_likely_tokens():
     logprobs = compute_logprobs(random_logits(3, seed=10))
     targets = [int(logprobs[0].argmin()), int(logprobs[1].argmax()), 4]
-    for entry, lp_row, target in zip(gather_logprobs(logprobs, targets, 3), logprobs, targets):
+    for entry, lp_row, target in zip(prompt_entries(logprobs, targets, 3), logprobs, targets):
         top = lp_row.topk(3).indices.tolist()
         assert [entry[t].rank for t in top] == [1, 2, 3]
         assert entry[target].rank == 1 + int((lp_row > lp_row[target]).sum())
