@@ -11,7 +11,9 @@ and the adapters are random peft directories of rank 16 (`--adapter-rank`) on al
 Workloads: (a) base model only; (b) one adapter for every request; (c) 64 distinct adapters,
 uniform; (d) 1000 registered adapters, Zipf popularity, max_loras=32. Plus a sweep of the number
 of distinct adapters, online latency at a fixed request rate, the decode step against its bytes
-floor, and transformers+peft with a mixed-adapter batch as the baseline.
+floor, and transformers+peft with a mixed-adapter batch as the baseline. On a GPU, (a) also runs with
+sequences that may end by EOS, with random sampling (temperature, top-p, penalties, logprobs), scoring its prompts
+(one token and every prompt logprob), and with every step synchronous.
 """
 from __future__ import annotations
 
@@ -287,6 +289,13 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 disk_reads=before.lora_disk_reads - first.lora_disk_reads,
                 suspensions=engine.scheduler.num_suspensions - suspensions,
                 **_stalls(steady_walls), **_pause_summary(pauses), kernel_compiles=compiles)
+
+
+def scoring(engine: LLMEngine, batch: list[list[int]]) -> dict:
+    """The batch's prompts scored as evaluation harnesses do (one token each, every prompt token's logprob and its
+    most likely alternative): offline's figures plus prompt tokens per second."""
+    result = offline(engine, batch, [None] * len(batch), 1, prompt_logprobs=1)
+    return dict(result, prompt_tok_per_s=sum(map(len, batch)) / result["seconds"])
 
 
 def _stalls(decode_walls: list[float]) -> dict:
@@ -636,6 +645,8 @@ def main() -> None:
             RESULTS["a_base_penalties_logprobs"] = offline(engine, batch, [None] * len(batch), args.output_len,
                                                            **PENALTIES_AND_LOGPROBS)
             log(f"(a) base, sampling with penalties and logprobs: {RESULTS['a_base_penalties_logprobs']}")
+            RESULTS["a_base_scoring"] = scoring(engine, batch)
+            log(f"(a) base, scoring the prompts: {RESULTS['a_base_scoring']}")
             if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
                 engine.async_scheduling = False
                 RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)
@@ -646,6 +657,8 @@ def main() -> None:
                 RESULTS["a_base_penalties_logprobs_sync"] = offline(engine, batch, [None] * len(batch),
                                                                     args.output_len, **PENALTIES_AND_LOGPROBS)
                 log(f"(a) base, penalties and logprobs, synchronous steps: {RESULTS['a_base_penalties_logprobs_sync']}")
+                RESULTS["a_base_scoring_sync"] = scoring(engine, batch)
+                log(f"(a) base, scoring the prompts, synchronous steps: {RESULTS['a_base_scoring_sync']}")
                 RESULTS["decode_base_b64_sync"] = decode_step_profile(engine, 64, args.prompt_len, [None] * 64, vocab)
                 log(f"decode base b64, synchronous steps: {RESULTS['decode_base_b64_sync']}")
                 engine.async_scheduling = True
