@@ -151,6 +151,35 @@ def test_async_scheduling_with_cuda_graphs_gives_the_synchronous_tokens(tiny_lla
     assert llm.engine.allocator.num_free == llm.engine.allocator.num_blocks
 
 
+def test_prompt_and_top_logprobs_computed_in_flight_match_the_synchronous_engine(tiny_llama, loras, monkeypatch):
+    """Steps recording prompt logprobs or top logprobs stay in flight on a GPU, their logprobs copied back without
+    waiting (the steps that only score prompts, one token each, included), and report what synchronous steps do."""
+    prompts = PROMPTS * 3
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=[1, 6, 9][i % 3],
+                             prompt_logprobs=[2, None, 0][i % 3], logprobs=[None, 2, 1][i % 3])
+              for i in range(len(prompts))]
+    requests = [[None, *loras][i % 4] for i in range(len(prompts))]
+    kwargs = {"device": "cuda", "dtype": "float32", "enable_lora": True, "max_loras": 4, "max_lora_rank": 16,
+              "block_size": 4, "max_num_batched_tokens": 16}
+    sync = LLM(str(tiny_llama), async_scheduling=False, **kwargs).generate(prompts, params, requests, use_tqdm=False)
+    llm = LLM(str(tiny_llama), **kwargs)
+    launched = []
+    launch = llm.engine._launch_in_flight
+    monkeypatch.setattr(llm.engine, "_launch_in_flight",
+                        lambda scheduled, previous: launched.append(scheduled) or launch(scheduled, previous))
+    outputs = llm.generate(prompts, params, requests, use_tqdm=False)
+
+    def logprobs(positions):
+        return [position and {t: (lp.rank, pytest.approx(lp.logprob, abs=1e-4)) for t, lp in position.items()}
+                for position in positions or ()]
+
+    assert [(o.outputs[0].token_ids, logprobs(o.prompt_logprobs), logprobs(o.outputs[0].logprobs)) for o in outputs] \
+        == [(o.outputs[0].token_ids, logprobs(o.prompt_logprobs), logprobs(o.outputs[0].logprobs)) for o in sync]
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outputs[::3])
+    assert any(any(item.seq.request.prompt_logprobs is not None and item.num_new_tokens > 1 for item in scheduled)
+               for scheduled in launched)
+
+
 def test_requests_admitted_over_a_step_in_flight_give_the_synchronous_tokens(tiny_llama, loras):
     """Prompts arriving while greedy steps are in flight: a step admitting them (the pieces of a mixed step, or a
     decode graph beside a one-token prompt) takes its decode rows' ids on the device, and is left in flight."""
