@@ -513,6 +513,23 @@ def test_aborting_everything_in_flight_leaves_nothing_behind(engines, monkeypatc
     assert_nothing_left(overlapped)
 
 
+def test_aborting_a_request_while_its_prompt_logprobs_are_in_flight_frees_it(tiny_llama, monkeypatch):
+    engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, max_num_batched_tokens=5),
+               make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, max_num_batched_tokens=5))
+    expected, _ = run(engines[0], monkeypatch, [(PROMPTS[0], greedy(8))])
+    overlapped = engines[1]
+    r = Run(overlapped, monkeypatch)
+    kept = r.add(PROMPTS[0], greedy(8))
+    scored = r.add(PROMPTS[1], greedy(4, prompt_logprobs=2))
+    while not (overlapped._in_flight and overlapped._in_flight.prompt_logprobs):
+        r.step()
+    r.keep(overlapped.abort(scored))
+    r.to_end()
+    assert r.final[scored].outputs[0].finish_reason == "abort"
+    assert_same(expected, [r.final[kept]])
+    assert_nothing_left(overlapped)
+
+
 def test_preemption_under_a_tiny_kv_cache_gives_the_synchronous_tokens(tiny_llama, monkeypatch):
     engines = (make_engine(tiny_llama, async_scheduling=False, block_size=4, num_kv_blocks=24),
                make_engine(tiny_llama, async_scheduling_eager=True, block_size=4, num_kv_blocks=24))
