@@ -547,7 +547,7 @@ class LLMEngine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
         """A batch asking for nothing but greedy tokens skips the sampler's per-row work (same tokens)."""
-        if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
+        if _all_plain_greedy(seqs):
             return self.sampler.greedy(logits)
         return self.sampler(logits, [self._sampling_row(seq) for seq in seqs])
 
@@ -555,7 +555,7 @@ class LLMEngine:
                         previous: InFlightStep | None) -> PendingTokens:
         """_sample's tokens left on the device; the sequences `previous` sampled for find their last token among
         its tokens on the device."""
-        if all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs):
+        if _all_plain_greedy(seqs):
             return self.sampler.greedy_pending(logits)
         in_flight = previous.rows if previous is not None and previous.tokens is not None else {}
         return self.sampler.pending(logits, [self._sampling_row(seq, in_flight.get(seq.seq_id, -1)) for seq in seqs],
@@ -661,6 +661,12 @@ def _completion(seq: Sequence) -> CompletionOutput:
 def _decodes_first(scheduled: list[ScheduledSequence]) -> list[ScheduledSequence]:
     """The step's sequences with one new token first (they share one batched decode attention), in order."""
     return sorted(scheduled, key=lambda item: item.num_new_tokens != 1)
+
+
+def _all_plain_greedy(seqs: list[Sequence]) -> bool:
+    """True when every sequence's token is its raw argmax with only its raw logprob reported (`is_plain_greedy`;
+    a placeholder for a token in flight counts as an output token)."""
+    return all(is_plain_greedy(seq.request.params, len(seq.token_ids) - seq.num_prompt_tokens) for seq in seqs)
 
 
 def _device_tokens(scheduled: list[ScheduledSequence], previous: InFlightStep | None) -> DeviceTokens | None:
