@@ -15,6 +15,7 @@ wall time of `--repeats` calls, the device synchronized around each.
 from __future__ import annotations
 
 import argparse
+import array
 import json
 import statistics
 import sys
@@ -71,7 +72,7 @@ def case(rows: int, scale: float, device: torch.device, repeats: int, temperatur
     chat = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=128, repetition_penalty=1.1,
                           frequency_penalty=0.3, presence_penalty=0.3, logprobs=1)
     token_ids = torch.randint(VOCAB, (rows, 576), generator=torch.Generator().manual_seed(1)).tolist()
-    chat_rows = [SamplingRow(chat, ids[:512], ids[512:]) for ids in token_ids]
+    chat_rows = [SamplingRow(chat, array.array("q", ids[:512]), ids[512:]) for ids in token_ids]  # as the engine
     probs = (logits.float() / temperature).softmax(dim=-1)
     index = torch.arange(rows, device=device)
     top_ps = torch.full((rows,), top_p, device=device)

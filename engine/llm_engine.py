@@ -563,7 +563,7 @@ class LLMEngine:
 
     def _sampling_row(self, seq: Sequence, in_flight_row: int = -1) -> SamplingRow:
         request = seq.request
-        return SamplingRow(request.params, request.prompt_token_ids, seq.output_token_ids, seq.generator,
+        return SamplingRow(request.params, request.prompt_token_array, seq.output_token_ids, seq.generator,
                            request.bad_words_token_ids, in_flight_row)
 
     def _prompt_logprobs(self, scheduled: list[ScheduledSequence], result,

@@ -1,7 +1,9 @@
 """Requests and their sequences (one per `n`), as the scheduler and engine track them."""
 from __future__ import annotations
 
+import array
 import enum
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,12 @@ class Request:
             if seq.status is not SequenceStatus.FINISHED:
                 return False
         return True
+
+    @functools.cached_property
+    def prompt_token_array(self) -> array.array:
+        """The prompt as int64s, built once: the penalties gather every row's prompt each step, and from a list
+        that costs a conversion a token (about 5 ms a step for 128 prompts of 512 tokens on the H200's host)."""
+        return array.array("q", self.prompt_token_ids)
 
     @property
     def lora_int_id(self) -> int:
@@ -78,6 +86,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @functools.cached_property
+    def prompt_token_array(self) -> array.array:
+        """The prompt as int64s, built once: the penalties gather every row's prompt each step, and from a list
+        that costs a conversion a token (about 5 ms a step for 128 prompts of 512 tokens on the H200's host)."""
+        return array.array("q", self.prompt_token_ids)
 
     @property
     def lora_int_id(self) -> int:

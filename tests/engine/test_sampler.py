@@ -1,3 +1,5 @@
+import array
+
 import pytest
 import torch
 
@@ -328,6 +330,39 @@ def test_penalties_count_rows_with_empty_outputs_and_prompts_between_others():
     expected = torch.tensor([[1.0] * 6, [1, 1, 1, 0, 1, 0.5], [1.0] * 6, [0.25, 0.25, 1, 1, 1, 1],
                              [1, 1, 1, 1, 0.5, 1]])
     assert torch.equal(out, expected)
+
+
+def penalized_in_float64(logits, rows):
+    """vLLM's penalties as dense tables, row by row, in float64: the reference."""
+    out = logits.double().clone()
+    for i, r in enumerate(rows):
+        seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+        seen[list(r.prompt_token_ids) + list(r.output_token_ids)] = True
+        rep = r.params.repetition_penalty
+        out[i] = torch.where(seen, torch.where(out[i] > 0, out[i] / rep, out[i] * rep), out[i])
+        counts = torch.bincount(torch.tensor(r.output_token_ids, dtype=torch.long), minlength=logits.shape[-1])
+        out[i] -= r.params.frequency_penalty * counts + r.params.presence_penalty * (counts > 0)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("seed", range(3))
+def test_penalties_of_random_rows_match_dense_float64_tables(device, seed):
+    """Rows with repeated tokens, empty prompts or outputs, each penalty on or off, and an int64-array prompt as the
+    engine passes it: the cells the penalties touch are the dense tables' cells."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab, rows = 97, []
+    for i in range(24):
+        prompt = torch.randint(vocab, (int(torch.randint(0, 40, (1,), generator=gen)),), generator=gen).tolist()
+        output = torch.randint(20, (int(torch.randint(0, 30, (1,), generator=gen)),), generator=gen).tolist()
+        on = torch.rand(3, generator=gen) < 0.6
+        rows.append(row(prompt=prompt, output=output, temperature=0.8, repetition_penalty=1.3 if on[0] else 1.0,
+                        frequency_penalty=0.4 if on[1] else 0.0, presence_penalty=0.7 if on[2] else 0.0))
+        if i % 2:
+            rows[-1].prompt_token_ids = array.array("q", prompt)
+    logits = torch.randn(24, vocab, generator=gen) * 3
+    out = processed(logits.to(device), rows).cpu()
+    torch.testing.assert_close(out.double(), penalized_in_float64(logits, rows), rtol=1e-6, atol=1e-6)
 
 
 def test_a_disallowed_token_stays_out_whatever_its_bias():
