@@ -332,6 +332,13 @@ def test_penalties_count_rows_with_empty_outputs_and_prompts_between_others():
     assert torch.equal(out, expected)
 
 
+def test_penalties_of_rows_with_no_tokens_yet_leave_the_logits_as_they_are():
+    """A first step: nothing generated, and an empty prompt (the repetition penalty has nothing to look at)."""
+    logits = torch.randn(2, 6)
+    rows = [row(output=[], frequency_penalty=1.0, presence_penalty=0.5), row(repetition_penalty=2.0)]
+    assert torch.equal(processed(logits, rows), logits)
+
+
 def penalized_in_float64(logits, rows):
     """vLLM's penalties as dense tables, row by row, in float64: the reference."""
     out = logits.double().clone()
