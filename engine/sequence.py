@@ -87,12 +87,6 @@ class Sequence:
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
 
-    @functools.cached_property
-    def prompt_token_array(self) -> array.array:
-        """The prompt as int64s, built once: the penalties gather every row's prompt each step, and from a list
-        that costs a conversion a token (about 5 ms a step for 128 prompts of 512 tokens on the H200's host)."""
-        return array.array("q", self.prompt_token_ids)
-
     @property
     def lora_int_id(self) -> int:
         return self.request.lora_int_id
