@@ -291,10 +291,10 @@ def offline(engine: LLMEngine, batch: list[list[int]], loras: list[LoRARequest |
                 **_stalls(steady_walls), **_pause_summary(pauses), kernel_compiles=compiles)
 
 
-def scoring(engine: LLMEngine, batch: list[list[int]]) -> dict:
+def scoring(engine: LLMEngine, batch: list[list[int]], **sampling) -> dict:
     """The batch's prompts scored as evaluation harnesses do (one token each, every prompt token's logprob and its
     most likely alternative): offline's figures plus prompt tokens per second."""
-    result = offline(engine, batch, [None] * len(batch), 1, prompt_logprobs=1)
+    result = offline(engine, batch, [None] * len(batch), 1, prompt_logprobs=1, **sampling)
     return dict(result, prompt_tok_per_s=sum(map(len, batch)) / result["seconds"])
 
 
@@ -647,6 +647,8 @@ def main() -> None:
             log(f"(a) base, sampling with penalties and logprobs: {RESULTS['a_base_penalties_logprobs']}")
             RESULTS["a_base_scoring"] = scoring(engine, batch)
             log(f"(a) base, scoring the prompts: {RESULTS['a_base_scoring']}")
+            RESULTS["a_base_scoring_flat"] = scoring(engine, batch, flat_logprobs=True)
+            log(f"(a) base, scoring the prompts into flat records: {RESULTS['a_base_scoring_flat']}")
             if engine.async_scheduling:  # the same engine with every step synchronous, for comparison
                 engine.async_scheduling = False
                 RESULTS["a_base_sync"] = offline(engine, batch, [None] * len(batch), args.output_len)

@@ -28,7 +28,8 @@ from .model_loader import (
     resolve_model_dir,
 )
 from .model_runner import ModelRunner
-from .outputs import CompletionOutput, RequestOutput
+from .flat_logprobs import FlatLogprobs, LogprobRecord
+from .outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from .logprobs import PromptLogprobs, compute_logprobs
 from .sampler import PendingTokens, SampledToken, Sampler, is_plain_greedy, make_generator
 from .sampling_params import SamplingParams, bad_words_token_ids
@@ -286,12 +287,12 @@ class LLMEngine:
             self.lora_manager.ensure_loaded([lora_request])
         request = Request(request_id, text, token_ids, params, lora_request, bad_words_token_ids=bad_words)
         if params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]
+            request.prompt_logprobs = _logprob_record(params, [None])
         for index in range(params.n):
             generator = make_generator(params.seed, index, self.device) if params.seed is not None else None
             seq = Sequence(next(self._seq_ids), request, index, list(token_ids),
                            IncrementalDetokenizer(self.tokenizer, token_ids, params), generator)
-            seq.logprobs = [] if params.logprobs is not None else None
+            seq.logprobs = _logprob_record(params) if params.logprobs is not None else None
             request.sequences.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -625,7 +626,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, prompt=request.prompt, prompt_token_ids=request.prompt_token_ids,
             outputs=[_completion(seq) for seq in request.sequences], finished=finished,
-            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+            prompt_logprobs=request.prompt_logprobs.copy() if request.prompt_logprobs is not None else None,
             lora_name=request.lora_request.lora_name if request.lora_request else None,
         )
 
@@ -645,6 +646,10 @@ class LLMEngine:
         )
 
 
+def _logprob_record(params: SamplingParams, positions: list[PositionLogprobs | None] = ()) -> LogprobRecord:
+    return FlatLogprobs(positions) if params.flat_logprobs else list(positions)
+
+
 def _completion(seq: Sequence) -> CompletionOutput:
     """A snapshot of one sequence: its token and logprob lists are copies."""
     if seq.status is SequenceStatus.FINISHED and not isinstance(seq.stop_reason, str):
@@ -653,7 +658,7 @@ def _completion(seq: Sequence) -> CompletionOutput:
         text = seq.detokenizer.output_text
     return CompletionOutput(
         index=seq.index, text=text, token_ids=seq.output_token_ids, cumulative_logprob=seq.cumulative_logprob,
-        logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+        logprobs=seq.logprobs.copy() if seq.logprobs is not None else None,
         finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
     )
 

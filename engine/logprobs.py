@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine.flat_logprobs import LogprobRecord
 from engine.outputs import Logprob, PositionLogprobs
 from engine.sampling_row import SamplingRow
 from engine.step_input import host_to_device
@@ -83,7 +84,7 @@ class PromptLogprobs:
     on the device and copied back without waiting, so the step can stay in flight; `attach` appends them to the
     request's record once the host reads the step back."""
 
-    def __init__(self, record: list[PositionLogprobs | None], logprobs: torch.Tensor, targets: list[int],
+    def __init__(self, record: LogprobRecord, logprobs: torch.Tensor, targets: list[int],
                  num_top: int):
         self.record = record
         self.targets = targets

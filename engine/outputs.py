@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.flat_logprobs import LogprobRecord
 
 
 @dataclass
@@ -23,7 +27,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[PositionLogprobs] | None
+    logprobs: LogprobRecord | None  # a list, or FlatLogprobs with SamplingParams(flat_logprobs=True)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or token id that ended it
 
@@ -38,6 +42,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs: LogprobRecord | None = None
     lora_name: str | None = None
     metrics: dict = field(default_factory=dict)

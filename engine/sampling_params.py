@@ -37,6 +37,8 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None  # top alternatives reported per generated token (plus the chosen one)
     prompt_logprobs: int | None = None
+    # logprobs and prompt_logprobs as FlatLogprobs: a few arrays, not a dict and a Logprob per token of every position
+    flat_logprobs: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # Accepted for vLLM compatibility; like vLLM with fast tokenizers, transformers' decode ignores it.

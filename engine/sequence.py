@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from .lora_request import LoRARequest
-from .outputs import PositionLogprobs
+from .flat_logprobs import LogprobRecord
 
 # stands in a sequence's token_ids for a token sampled by a step still on the device (async
 # scheduling): the scheduler counts it, the model runner reads its value on the device
@@ -32,7 +32,7 @@ class Request:
     params: Any  # SamplingParams
     lora_request: LoRARequest | None
     sequences: list["Sequence"] = field(default_factory=list)
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    prompt_logprobs: LogprobRecord | None = None
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # params.bad_words, tokenized
 
     @property
@@ -65,7 +65,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    logprobs: list[PositionLogprobs] | None = None
+    logprobs: LogprobRecord | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
