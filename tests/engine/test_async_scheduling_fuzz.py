@@ -54,6 +54,8 @@ def random_case(seed: int) -> tuple[dict, list[tuple], list[tuple]]:
                 ("min_tokens", min(4, params["max_tokens"]), 0.05), ("bad_words", ["ab", "c"], 0.05)]:
             if rng.random() < chance:
                 params[key] = value
+        if "logprobs" in params or "prompt_logprobs" in params:  # either record kind, drawing nothing more
+            params["flat_logprobs"] = len(prompt) % 2 == 0
         if rng.random() < 0.15:  # a seeded draw
             params.update(temperature=1.0, seed=rng.randrange(1000),
                           **rng.choice([{}, {"top_k": 5}, {"min_p": 0.05}, {"top_p": 0.9}]))
