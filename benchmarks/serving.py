@@ -86,18 +86,41 @@ def log(msg: str) -> None:
 
 
 # ---- model and adapters on disk -----------------------------------------------------------------
-def make_model_dir(root: Path, shape: str) -> Path:
+def make_model_dir(root: Path, shape: str, word_tokenizer: bool = False) -> Path:
+    """config.json and a tokenizer: the tests' 384-token BPE, or with `word_tokenizer` one word per id."""
     import transformers
 
     from tests.tiny_models import make_tokenizer
 
-    path = root / f"model-{shape}"
+    path = root / (f"model-{shape}-words" if word_tokenizer else f"model-{shape}")
     path.mkdir(parents=True, exist_ok=True)
     config = transformers.LlamaConfig(**SHAPES[shape], rms_norm_eps=1e-5, tie_word_embeddings=False)
     config.architectures = ["LlamaForCausalLM"]
     config.save_pretrained(str(path))
-    make_tokenizer(path)
+    if word_tokenizer:
+        make_word_tokenizer(path, SHAPES[shape]["vocab_size"])
+    else:
+        make_tokenizer(path)
     return path
+
+
+def make_word_tokenizer(directory: Path, vocab_size: int) -> None:
+    """A tokenizer with a word for every id of the model's vocabulary, so that every token the random model
+    picks is text to detokenize and stream, as with a real tokenizer (with the tests' BPE, ids past its 384
+    decode to nothing, and a server streams almost no text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab_size)})
+    words = Tokenizer(models.WordLevel(vocab, unk_token=SPECIAL_TOKENS[0]))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=words, eos_token="<|im_end|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=["<|im_start|>"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(directory))
 
 
 def module_shapes(shape: str) -> dict[str, tuple[int, int]]:
@@ -571,6 +594,8 @@ def main() -> None:
     parser.add_argument("--work", default="/tmp/loraserve-bench")
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--word-tokenizer", action="store_true",
+                        help="a tokenizer with a word for every id, so every output token is text (make_word_tokenizer)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tensor-parallel-sizes", type=int, nargs="*", default=[],
                         help="only run workload (c) once per size (TP comparison) and exit")
@@ -605,7 +630,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     work = Path(args.work)
     vocab = SHAPES[args.shape]["vocab_size"]
-    model_dir = make_model_dir(work, args.shape)
+    model_dir = make_model_dir(work, args.shape, args.word_tokenizer)
     t = time.perf_counter()
     rank_suffix = "" if args.adapter_rank == 16 else f"-r{args.adapter_rank}"
     paths = make_adapters(work / f"adapters-{args.shape}{rank_suffix}", model_dir, args.shape, 1000,

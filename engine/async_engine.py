@@ -103,6 +103,8 @@ class AsyncEngine:
             await asyncio.wrap_future(self._submit(add))  # inside: a caller cancelled once the add ran aborts it
             while not finished:
                 item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException):
+                    item = queue.get_nowait()  # outputs are cumulative: the later one holds the earlier one's tokens
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -163,8 +165,7 @@ class AsyncEngine:
         for _, future in commands:  # queued when it stopped: their callers get the error rather than wait forever
             if future.set_running_or_notify_cancel():
                 future.set_exception(shut_down)
-        for request_id in list(self._streams):
-            self._deliver(request_id, shut_down)
+        self._deliver([(request_id, shut_down) for request_id in list(self._streams)])
 
     @staticmethod
     def _run_commands(commands: deque[tuple[Callable[[], Any], Future]]) -> None:
@@ -183,18 +184,29 @@ class AsyncEngine:
             outputs = self.engine.step()
         except Exception as exc:
             logger.exception("engine step failed; aborting the running requests")
-            for request_id in list(self.engine.requests):
+            failed = list(self.engine.requests)
+            for request_id in failed:
                 self.engine.abort(request_id)
-                self._deliver(request_id, RuntimeError(f"engine step failed: {exc}"))
+            self._deliver([(request_id, RuntimeError(f"engine step failed: {exc}")) for request_id in failed])
             return
-        for output in outputs:
-            self._deliver(output.request_id, output)
-        for request_id, error in self.engine.take_errors().items():
-            self._deliver(request_id, error)
+        items: list[tuple[str, RequestOutput | BaseException]] = [(output.request_id, output) for output in outputs]
+        items.extend(self.engine.take_errors().items())
+        self._deliver(items)
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        finished = isinstance(item, BaseException) or item.finished
-        target = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
-        if target is not None:
-            loop, queue = target
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+    def _deliver(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hand each item to its stream, one wake-up per event loop for the lot: a step's outputs for a full batch
+        cost the engine thread one call into each loop, not one per request."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput | BaseException]]] = {}
+        for request_id, item in items:
+            finished = isinstance(item, BaseException) or item.finished
+            target = self._streams.pop(request_id, None) if finished else self._streams.get(request_id)
+            if target is not None:
+                loop, queue = target
+                by_loop.setdefault(loop, []).append((queue, item))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, deliveries)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in deliveries:
+        queue.put_nowait(item)

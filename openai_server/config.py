@@ -35,6 +35,7 @@ class ServeConfig:
     served_model_name: list[str] = field(default_factory=list)
     api_key: str | None = None
     dtype: str = "auto"
+    load_format: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 64
@@ -107,6 +108,8 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("api_key", "Require `Authorization: Bearer KEY` on /v1/* and the TGI routes.", env=("VLLM_API_KEY",)),
     _Option("dtype", "Weights and activations dtype (default auto: bfloat16 on GPU, float32 on CPU).",
             choices=("auto", "float32", "float", "bfloat16", "float16", "half")),
+    _Option("load_format", "auto: the model's weights; dummy: random weights at its shapes, for benchmarks "
+            "(vLLM's --load-format dummy; default auto).", choices=("auto", "dummy")),
     _Option("device", "cpu, cuda, cuda:N or auto (default auto)."),
     _Option("max_model_len", "Context window in tokens (default: the model's).", "int"),
     _Option("max_num_seqs", "Most requests in one running batch (default 64).", "int"),

@@ -136,6 +136,15 @@ async def _close_all(tasks: list[asyncio.Future]) -> None:
 
 async def merge(generations: list[Generation]) -> AsyncIterator[tuple[int, object]]:
     """Interleave the outputs of several generations as they arrive, tagged with the generation's index."""
+    if len(generations) == 1:  # most requests: no task and queue between the engine's stream and the handler
+        outputs = aiter(generations[0])
+        try:
+            async for output in outputs:
+                yield 0, output
+        finally:
+            with anyio.CancelScope(shield=True):
+                await outputs.aclose()
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index: int, generation: Generation) -> None:

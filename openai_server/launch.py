@@ -38,6 +38,7 @@ def engine_config(config: ServeConfig) -> EngineConfig:
         revision=config.revision,
         tokenizer=config.tokenizer,
         dtype=config.dtype,
+        load_format=config.load_format,
         device=config.device,
         max_model_len=config.max_model_len,
         max_num_seqs=config.max_num_seqs,

@@ -164,6 +164,14 @@ def test_enforce_eager_reaches_the_engine_config(tmp_path):
     assert not engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).enforce_eager
 
 
+def test_load_format_reaches_the_engine_config(tmp_path):
+    from openai_server.launch import engine_config
+
+    assert engine_config(serve_config_from_args(["m", "--load-format", "dummy"], environ={},
+                                                cwd=tmp_path)).load_format == "dummy"
+    assert engine_config(serve_config_from_args(["m"], environ={}, cwd=tmp_path)).load_format == "auto"
+
+
 def test_no_async_scheduling_reaches_the_engine_config(tmp_path):
     from openai_server.launch import engine_config
 
