@@ -44,21 +44,31 @@ def dumps(payload: object) -> str:
     return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
 
 
-async def with_openai_framing(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+def sse_data(payload: object) -> bytes:
+    """One SSE frame, `data: <JSON>\n\n`, framed here: handed bytes, sse-starlette builds no event object per
+    token (JSON text holds no line breaks, so one `data:` line carries it)."""
+    return b"data: " + dumps(payload).encode() + b"\n\n"
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
+async def with_openai_framing(events: AsyncIterator[dict]) -> AsyncIterator[bytes]:
     """JSON events, an in-band error if one happens after the stream began, then `[DONE]`."""
     try:
         async for event in events:
-            yield dumps(event)
+            yield sse_data(event)
     except APIError as exc:
-        yield dumps(exc.body())
+        yield sse_data(exc.body())
     except Exception:
         logger.exception("Error while streaming a response")
-        yield dumps(error_body("Internal server error while generating.", 500))
-    yield "[DONE]"
+        yield sse_data(error_body("Internal server error while generating.", 500))
+    yield _DONE
 
 
-def sse_response(events: AsyncIterator[str], on_disconnect: Callable[[], Awaitable[None]]) -> Response:
-    """`data: <event>\\n\\n` frames; a client that goes away triggers `on_disconnect` (aborting its requests)."""
+def sse_response(events: AsyncIterator[bytes], on_disconnect: Callable[[], Awaitable[None]]) -> Response:
+    """Streams `events`, SSE frames (`sse_data`); a client that goes away triggers `on_disconnect` (aborting its
+    requests)."""
 
     async def closed(_message) -> None:
         await on_disconnect()

@@ -14,7 +14,7 @@ from engine.outputs import PositionLogprobs
 
 from .errors import APIError, bad_request
 from .generation import Generation, abort_all, merge, start_for_client
-from .httputil import client_gone, dumps, json_unless_disconnected, parse_body, sse_response
+from .httputil import client_gone, json_unless_disconnected, parse_body, sse_data, sse_response
 from .protocol import TGIGenerateRequest
 from .state import ServerState
 
@@ -203,7 +203,7 @@ class TGIHandler:
                         target["text"] += text
                 for token in tokens:
                     if held is not None:
-                        yield dumps(held)
+                        yield sse_data(held)
                     count += 1
                     held = {"index": count, "token": token, "generated_text": None, "details": None, "top_tokens": None}
                 if output.finished and held is not None:
@@ -211,11 +211,11 @@ class TGIHandler:
                     held["generated_text"] = body.inputs + full if body.parameters.return_full_text else full
                     held["details"] = self._details(body, output, with_tokens=False)
         except APIError as exc:
-            yield dumps({"error": exc.message, "error_type": "validation"})
+            yield sse_data({"error": exc.message, "error_type": "validation"})
             return
         except Exception:
             logger.exception("Error while streaming /generate_stream")
-            yield dumps({"error": "Internal server error while generating.", "error_type": "generation"})
+            yield sse_data({"error": "Internal server error while generating.", "error_type": "generation"})
             return
         if held is not None:
-            yield dumps(held)
+            yield sse_data(held)

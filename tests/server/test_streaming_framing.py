@@ -6,11 +6,19 @@ import json
 import pytest
 
 from openai_server.errors import APIError
-from openai_server.httputil import with_openai_framing
+from openai_server.httputil import sse_data, with_openai_framing
+
+
+def _payload(frame: bytes) -> str:
+    """The data of one SSE frame, which must be a single `data:` line."""
+    assert frame.startswith(b"data: ") and frame.endswith(b"\n\n")
+    body = frame[len(b"data: "):-2]
+    assert b"\n" not in body and b"\r" not in body
+    return body.decode()
 
 
 async def _collect(events) -> list[str]:
-    return [item async for item in with_openai_framing(events)]
+    return [_payload(frame) async for frame in with_openai_framing(events)]
 
 
 async def _events_then(error: Exception):
@@ -40,3 +48,8 @@ async def test_unexpected_error_is_reported_without_internals():
     error = json.loads(sent[1])["error"]
     assert error["type"] == "server_error" and "secret" not in error["message"]
     assert sent[-1] == "[DONE]"
+
+
+def test_text_with_line_breaks_stays_one_data_line():
+    event = {"text": "one\ntwo\r\nthree\u2028four"}
+    assert json.loads(_payload(sse_data(event))) == event
