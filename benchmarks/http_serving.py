@@ -139,7 +139,11 @@ def free_port() -> int:
 
 
 def server_command(args, model_dir: Path, adapters: list[Path], port: int) -> list[str]:
-    command = [sys.executable, "-m", "openai_server.cli", "serve", str(model_dir), "--load-format", "dummy",
+    launcher = ["-m", "openai_server.cli"]
+    if args.switch_interval_ms is not None:  # the server process's GIL switch interval, set before it starts
+        launcher = ["-c", "import sys; sys.setswitchinterval(float(sys.argv.pop(1)) / 1e3); "
+                    "from openai_server.cli import main; sys.exit(main(sys.argv[1:]))", str(args.switch_interval_ms)]
+    command = [sys.executable, *launcher, "serve", str(model_dir), "--load-format", "dummy",
                "--device", args.device, "--served-model-name", BASE_NAME, "--port", str(port),
                "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_batched_tokens),
                "--log-level", "warning", *args.server_args]
@@ -229,6 +233,8 @@ def main() -> None:
     parser.add_argument("--online-requests", type=int, default=96)
     parser.add_argument("--client-processes", type=int, default=4)
     parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--switch-interval-ms", type=float,
+                        help="the server process's GIL switch interval (Python's default: 5 ms)")
     parser.add_argument("--engine-baseline", action="store_true",
                         help="then run (a) and (c) on an engine in this process, without the server")
     parser.add_argument("--server-args", nargs="*", default=[], help="more `loraserve serve` flags, e.g. "

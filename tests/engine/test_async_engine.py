@@ -41,6 +41,27 @@ def test_concurrent_requests_match_the_offline_engine(async_engine, llama_engine
         assert lengths == sorted(lengths)
 
 
+def test_a_consumer_that_falls_behind_gets_the_latest_output_only(async_engine, llama_engine):
+    """Outputs are cumulative, so a stream read after the engine has moved on skips to the newest: a slow
+    client (a busy event loop) gets fewer, larger chunks, never missing tokens."""
+    async def main():
+        stream = async_engine.generate("Hello", PARAMS)
+        first = await stream.__anext__()
+        for _ in range(1000):
+            stats = async_engine.stats()
+            if stats.num_running == 0 and stats.num_waiting == 0:
+                break
+            await asyncio.sleep(0.01)
+        return first, [output async for output in stream]
+
+    first, rest = asyncio.run(main())
+    llama_engine.add_request("Hello", PARAMS)
+    (expected,) = run_to_completion(llama_engine).values()
+    assert not first.finished
+    assert len(rest) == 1 and rest[0].finished
+    assert rest[0].outputs[0].token_ids == expected.outputs[0].token_ids
+
+
 def test_cancelling_the_consumer_aborts_and_frees_blocks(async_engine):
     async def main():
         started = asyncio.Event()
