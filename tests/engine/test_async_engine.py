@@ -52,6 +52,7 @@ def test_a_consumer_that_falls_behind_gets_the_latest_output_only(async_engine, 
             if stats.num_running == 0 and stats.num_waiting == 0:
                 break
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # the loop runs the deliveries the engine thread queued before it answered
         return first, [output async for output in stream]
 
     first, rest = asyncio.run(main())
