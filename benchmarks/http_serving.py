@@ -1,7 +1,8 @@
 """Serving through HTTP: a real `loraserve serve` process, driven by streaming clients in other processes.
 
 `serving.py` drives the engine inside its own process. This drives the server a user starts, so the HTTP layer,
-the SSE streams and the event loop that shares the process with the engine thread are part of what it measures.
+the SSE streams and the event loop are part of what it measures, with the engine core in a process of its own (the
+default on a GPU) or on a thread of the server's process, sharing its GIL with the event loop (`--engine-cores`).
 
     python3 benchmarks/http_serving.py --shape llama3-8b --out $OUT        # on the H200
     python benchmarks/http_serving.py --shape small --device cpu --num-requests 16 --output-len 8 \\
@@ -234,6 +235,9 @@ def main() -> None:
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument("--switch-interval-ms", type=float,
                         help="the server process's GIL switch interval (Python's default: 5 ms)")
+    parser.add_argument("--engine-cores", nargs="+", default=["process"], choices=("process", "thread"),
+                        help="run the server once for each, its engine core in a process of its own or on a thread "
+                        "of the server's process (`loraserve serve --engine-core`)")
     parser.add_argument("--engine-baseline", action="store_true",
                         help="then run (a) and (c) on an engine in this process, without the server")
     parser.add_argument("--server-args", nargs="*", default=[], help="more `loraserve serve` flags, e.g. "
@@ -246,15 +250,25 @@ def main() -> None:
     model_dir = make_model_dir(work, args.shape, word_tokenizer=True)
     adapters = make_adapters(work / "adapters", model_dir, args.shape, args.adapters, min(16, args.adapters),
                              args.adapter_rank)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    batch = prompts(args.num_requests, args.prompt_len, vocab)
-    adapter_names = [f"adapter-{i}" for i in range(len(adapters))]
+    batch = prompts(args.num_requests, args.prompt_len, SHAPES[args.shape]["vocab_size"])
     results: dict = {"config": vars(args)}
+    for engine_core in args.engine_cores:
+        results[engine_core] = serve_runs(args, engine_core, model_dir, adapters, batch, out)
+    if args.engine_baseline:
+        results["engine_alone"] = engine_baseline(args, model_dir, adapters, batch)
+    (out / "http_serving.json").write_text(json.dumps(results, indent=1, default=str))
+
+
+def serve_runs(args, engine_core: str, model_dir: Path, adapters: list[Path], batch: list[list[int]],
+               out: Path) -> dict:
+    """One server, with its engine core where `engine_core` says: the burst runs (a) and (c), then the online run."""
+    vocab = SHAPES[args.shape]["vocab_size"]
+    adapter_names = [f"adapter-{i}" for i in range(len(adapters))]
+    command = server_command(args, model_dir, adapters, free_port()) + ["--engine-core", engine_core]
     started = time.monotonic()
-    process, url = start_server(server_command(args, model_dir, adapters, free_port()), out / "server.log",
-                                args.start_timeout)
-    results["server_start_s"] = time.monotonic() - started
-    print(f"server up in {results['server_start_s']:.1f} s", flush=True)
+    process, url = start_server(command, out / f"server_{engine_core}.log", args.start_timeout)
+    results: dict = {"server_start_s": time.monotonic() - started}
+    print(f"server ({engine_core} engine core) up in {results['server_start_s']:.1f} s", flush=True)
     try:
         with ProcessPoolExecutor(args.client_processes) as pool:
             list(pool.map(ready, [None] * args.client_processes))
@@ -268,16 +282,14 @@ def main() -> None:
             }
             for name, (jobs, max_tokens) in runs.items():
                 results[name] = run(pool, args.client_processes, url, jobs, max_tokens)
-                print(name, json.dumps(results[name]), flush=True)
+                print(engine_core, name, json.dumps(results[name]), flush=True)
             results["metrics"] = httpx.get(url + "/metrics", timeout=10).text
     finally:
         stop_server(process)
-    if args.engine_baseline:
-        results["engine_alone"] = engine_baseline(args, model_dir, adapters, batch)
-    (out / "http_serving.json").write_text(json.dumps(results, indent=1, default=str))
     a, c = results["a_base_burst"]["tok_per_s"], results["c_adapters_burst"]["tok_per_s"]
     if a and c:
-        print(f"(c)/(a) through HTTP: {c / a:.3f}")
+        print(f"{engine_core} engine core: (c)/(a) through HTTP: {c / a:.3f}", flush=True)
+    return results
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from .kv_cache import BlockAllocator, allocate_kv_caches, bytes_per_block
 from .lora_request import LoRARequest
 from .model import LlamaForCausalLM
 from .model_loader import (
+    encode_prompt,
     iter_safetensors,
     load_hf_config,
     load_tokenizer,
@@ -251,7 +252,7 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
     def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer(prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     lora_request: LoRARequest | None = None, request_id: str | None = None,

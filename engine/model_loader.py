@@ -127,6 +127,11 @@ def load_tokenizer(source: Path | str, revision: str | None = None):
     return transformers.AutoTokenizer.from_pretrained(str(source), revision=revision)
 
 
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """A text prompt's token ids, special tokens (BOS) added as the tokenizer adds them."""
+    return tokenizer(prompt)["input_ids"]
+
+
 def load_hf_config(model_dir: Path):
     import transformers
 

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from adapters_registry import AdapterRegistry
+from engine.engine_loop import EngineStopped
 
 from .adapters import AdapterService
 from .auth import APIKeyMiddleware
@@ -76,7 +77,7 @@ def build_app(engine, registry: AdapterRegistry, settings: ServerSettings) -> St
         return PlainTextResponse(await adapters.unload(body.lora_name))
 
     async def health(_: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.alive else 503)
 
     async def metrics(_: Request) -> Response:
         return Response(await anyio.to_thread.run_sync(state.metrics.render), media_type=CONTENT_TYPE_LATEST)
@@ -121,6 +122,9 @@ def _exception_handlers() -> dict:
     async def api_error(_: Request, exc: APIError) -> Response:
         return exc.response()
 
+    async def engine_stopped(_: Request, exc: EngineStopped) -> Response:
+        return JSONResponse(error_body(str(exc), 503), status_code=503)
+
     async def http_error(_: Request, exc: HTTPException) -> Response:
         return JSONResponse(error_body(exc.detail, exc.status_code), status_code=exc.status_code, headers=exc.headers)
 
@@ -128,4 +132,4 @@ def _exception_handlers() -> dict:
         logger.exception("Unhandled error", exc_info=exc)
         return JSONResponse(error_body("Internal server error.", 500), status_code=500)
 
-    return {APIError: api_error, HTTPException: http_error, Exception: unexpected}
+    return {APIError: api_error, EngineStopped: engine_stopped, HTTPException: http_error, Exception: unexpected}

@@ -16,6 +16,7 @@ import yaml
 
 from adapters_registry import AdapterSpec, parse_lora_adapters, parse_lora_modules
 from engine.config import CUDAGRAPH_MODES
+from engine.core_client import ENGINE_CORES
 from engine.scheduler import ADMISSION_ORDERS
 
 DEFAULT_CONFIG_NAME = "config.yaml"
@@ -46,6 +47,7 @@ class ServeConfig:
     enforce_eager: bool = False
     cudagraph_mode: str = "full_and_piecewise"
     async_scheduling: bool = True
+    engine_core: str = "auto"
     seed: int = 0
     enable_lora: bool = False
     lora_modules: list[AdapterSpec] = field(default_factory=list)
@@ -125,6 +127,9 @@ OPTIONS: tuple[_Option, ...] = (
     _Option("async_scheduling", "On CUDA with graphs, launch the next step before the previous step's tokens "
             "are read back (they, their top logprobs and prompt logprobs are computed on the device whatever the "
             "sampling parameters) (default on; --no-async-scheduling turns it off).", "bool"),
+    _Option("engine_core", "Where the engine steps: process (a process of its own, as vLLM's engine core, so the "
+            "HTTP layer's per-token work never holds up its next step) or thread (a thread of the server's "
+            "process). Default auto: process on one GPU, thread otherwise.", choices=ENGINE_CORES),
     _Option("seed", "Engine random seed (default 0).", "int"),
     _Option("enable_lora", "Serve LoRA adapters (switched on by itself when adapters are given).", "bool"),
     _Option("lora_modules", "vLLM-style adapters: NAME=PATH or JSON {\"name\",\"path\",\"base_model_name\"}; "

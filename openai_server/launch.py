@@ -9,7 +9,7 @@ import uvicorn
 from starlette.applications import Starlette
 
 from adapters_registry import AdapterRegistry
-from engine import AsyncEngine, EngineConfig
+from engine import AsyncEngineBase, EngineConfig, start_async_engine
 from engine.gc_heap import freeze_startup_heap
 
 from .adapters import register_adapter
@@ -23,7 +23,7 @@ logger = logging.getLogger("loraserve.server")
 
 @dataclass
 class Server:
-    engine: AsyncEngine
+    engine: AsyncEngineBase
     registry: AdapterRegistry
     app: Starlette
 
@@ -76,7 +76,7 @@ def server_settings(config: ServeConfig) -> ServerSettings:
 def build_server(config: ServeConfig) -> Server:
     """Load the model and every configured adapter (a bad adapter stops startup with its reason)."""
     settings = server_settings(config)
-    engine = AsyncEngine(engine_config(config))
+    engine = start_async_engine(engine_config(config), config.engine_core)
     registry = AdapterRegistry(engine.model_info, allow_pickle=config.allow_pickle_adapters, dtype=engine.dtype)
     for spec in config.adapter_specs():
         register_adapter(engine, registry, spec)

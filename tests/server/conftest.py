@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from adapters_registry import AdapterRegistry, AdapterSpec
-from engine import AsyncEngine, EngineConfig
+from engine import AsyncEngineBase, EngineConfig, start_async_engine
 from openai_server import ServerSettings, build_app
 from openai_server.adapters import register_adapter
 from tests.tiny_models import make_peft_adapter, make_tiny_model
@@ -26,7 +26,7 @@ ADAPTERS = ("alpha", "beta", "gamma")
 @dataclass
 class RunningServer:
     base_url: str
-    engine: AsyncEngine
+    engine: AsyncEngineBase
     registry: AdapterRegistry
     model_dir: Path
 
@@ -79,11 +79,11 @@ def allowed_dir(model_dir, tmp_path_factory) -> Path:
     return root
 
 
-def make_engine(model_dir: Path, **overrides) -> AsyncEngine:
+def make_engine(model_dir: Path, engine_core: str = "thread", **overrides) -> AsyncEngineBase:
     config = dict(model=str(model_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=2,
                   max_lora_rank=16, max_cpu_loras=4, num_kv_blocks=128)
     config.update(overrides)
-    return AsyncEngine(EngineConfig(**config))
+    return start_async_engine(EngineConfig(**config), engine_core)
 
 
 @dataclass

@@ -1,0 +1,208 @@
+"""The engine core in its own process, driven through EngineCoreClient as the server drives AsyncEngine."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engine import AsyncEngine, EngineConfig, EngineCoreClient, LoRARequest, SamplingParams, start_async_engine
+from engine.engine_loop import EngineStopped
+from tests.engine.conftest import run_to_completion
+from tests.tiny_models import make_peft_adapter
+
+PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+
+def _config(model_dir, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", device="cpu", **overrides)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama, tmp_path_factory) -> list[LoRARequest]:
+    root = tmp_path_factory.mktemp("core-adapters")
+    return [LoRARequest(f"a{i}", i + 1, str(make_peft_adapter(tiny_llama, root / f"a{i}", r=4, seed=i, scale=0.5)))
+            for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama, adapters):
+    engine = EngineCoreClient(_config(tiny_llama, enable_lora=True, max_loras=2, max_cpu_loras=2))
+    for adapter in adapters:
+        engine.add_lora(adapter)
+    yield engine
+    engine.shutdown()
+
+
+async def _collect(engine, prompt, params=PARAMS, lora_request=None, request_id=None):
+    return [o async for o in engine.generate(prompt, params, lora_request=lora_request, request_id=request_id)]
+
+
+def _idle(engine, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = engine.stats()
+        if (stats.num_running == stats.num_waiting == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
+def test_the_client_reports_the_engine_it_started(client, llama_engine):
+    assert client.alive
+    assert client.model_name == llama_engine.model_name and client.max_model_len == llama_engine.max_model_len
+    assert client.tokenizer("Hello world")["input_ids"] == llama_engine.tokenize("Hello world")
+    assert client.model_info.module_shapes == llama_engine.model_info.module_shapes
+    assert client.config.max_loras == 2 and client.device.type == "cpu"
+
+
+def test_concurrent_mixed_adapter_requests_match_the_offline_engine(client, adapters, tiny_llama):
+    from tests.engine.conftest import make_engine
+    prompts = ["Hello", "The capital of France", "def add(a, b):", "SELECT"]
+    loras = [None, adapters[0], adapters[1], adapters[0]]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+
+    async def main():
+        return await asyncio.gather(*(_collect(client, p, params, lora) for p, lora in zip(prompts, loras)))
+
+    streams = asyncio.run(main())
+    offline = make_engine(tiny_llama, enable_lora=True, max_loras=2)
+    for prompt, lora, stream in zip(prompts, loras, streams):
+        offline.add_request(prompt, params, lora)
+        (expected,) = run_to_completion(offline).values()
+        final = stream[-1]
+        assert final.finished and not any(o.finished for o in stream[:-1])
+        assert final.outputs[0].token_ids == expected.outputs[0].token_ids
+        assert final.outputs[0].text == expected.outputs[0].text
+        _assert_close_logprobs(final.outputs[0].logprobs, expected.outputs[0].logprobs)
+        assert final.prompt_token_ids == expected.prompt_token_ids
+        assert final.lora_name == (lora.lora_name if lora else None)
+
+
+def _assert_close_logprobs(got, expected) -> None:
+    """The same tokens, ranks and decoded texts at every position; logprobs as close as batching leaves them."""
+    assert len(got) == len(expected)
+    for position, want in zip(got, expected):
+        assert {t: (lp.rank, lp.decoded_token) for t, lp in position.items()} == {
+            t: (lp.rank, lp.decoded_token) for t, lp in want.items()}
+        assert all(position[t].logprob == pytest.approx(want[t].logprob, abs=2e-4) for t in want)
+
+
+def test_an_invalid_request_raises_its_error_in_the_caller(client):
+    with pytest.raises(ValueError, match="maximum context length"):
+        asyncio.run(_collect(client, "x", SamplingParams(max_tokens=10_000)))
+    assert _idle(client).num_waiting == 0
+
+
+def test_an_unknown_adapter_raises_in_the_caller(client):
+    with pytest.raises(ValueError):
+        asyncio.run(_collect(client, "x", PARAMS, LoRARequest("nowhere", 99, "/does/not/exist")))
+    assert client.alive
+
+
+def test_cancelling_the_consumer_aborts_and_frees_blocks(client):
+    async def main():
+        started = asyncio.Event()
+
+        async def consume():
+            async for _ in client.generate("Hello", LONG):
+                started.set()
+
+        task = asyncio.create_task(consume())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    stats = _idle(client)
+    assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
+    assert client._decoder._outputs == {}
+
+
+def test_abort_by_request_id_ends_the_stream_and_frees_blocks(client):
+    async def main():
+        outputs = []
+        async for output in client.generate("Hello", LONG, request_id="to-abort"):
+            outputs.append(output)
+            if len(outputs) == 2:
+                await client.abort("to-abort")
+                break
+        return outputs
+
+    assert len(asyncio.run(main())) == 2
+    assert _idle(client).kv_blocks_used == 0
+
+
+def test_adapter_calls_reach_the_engine(client, adapters):
+    status = client.lora_status()
+    assert set(status) >= {adapter.lora_int_id for adapter in adapters}
+    with pytest.raises(ValueError, match="unloaded"):
+        async def main():
+            stream = client.generate("Hello", LONG, lora_request=adapters[1])
+            await stream.__anext__()  # running: its adapter id stays taken after the unload
+            client.remove_lora(adapters[1].lora_int_id)
+            try:
+                client.add_lora(LoRARequest("other", adapters[1].lora_int_id, adapters[0].lora_path))
+            finally:
+                await stream.aclose()
+        asyncio.run(main())
+    _idle(client)
+    client.add_lora(adapters[1])  # its requests ended: the id may be used again
+    final = asyncio.run(_collect(client, "Hello", PARAMS, adapters[1]))[-1]
+    assert final.finished
+
+
+def test_a_failed_start_raises_the_engines_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        EngineCoreClient(_config(tmp_path))
+
+
+def test_a_dead_engine_process_fails_its_streams_and_calls(tiny_llama):
+    engine = EngineCoreClient(_config(tiny_llama))
+    try:
+        async def main():
+            stream = engine.generate("Hello", LONG)
+            await stream.__anext__()
+            os.kill(engine._process.pid, signal.SIGKILL)
+            with pytest.raises(EngineStopped, match="exited with code -9"):
+                async for _ in stream:
+                    pass
+
+        asyncio.run(main())
+        assert not engine.alive
+        with pytest.raises(EngineStopped):
+            engine.stats()
+        with pytest.raises(EngineStopped):
+            asyncio.run(_collect(engine, "Hello"))
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_ends_the_process_and_fails_running_streams(tiny_llama):
+    engine = EngineCoreClient(_config(tiny_llama))
+
+    async def main():
+        stream = asyncio.create_task(_collect(engine, "Hello", LONG))
+        await asyncio.sleep(0.3)
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        with pytest.raises(EngineStopped, match="shut down"):
+            await asyncio.wait_for(stream, 30)
+
+    asyncio.run(main())
+    assert not engine.alive and engine._process.exitcode == 0
+
+
+def test_auto_runs_the_engine_on_a_thread_on_the_cpu(tiny_llama):
+    engine = start_async_engine(_config(tiny_llama), "auto")
+    try:
+        assert isinstance(engine, AsyncEngine)
+    finally:
+        engine.shutdown()
+
+
+def test_an_unknown_engine_core_is_refused(tiny_llama):
+    with pytest.raises(ValueError, match="engine_core must be one of auto, process, thread"):
+        start_async_engine(_config(tiny_llama), "fiber")
