@@ -16,11 +16,12 @@ from multiprocessing.connection import Connection
 
 import torch
 
+from adapters_registry import LoadedAdapter
+
+from .adapter_transfer import pack_adapter
 from .async_engine import AsyncEngine, AsyncEngineBase, NewRequest
 from .config import EngineConfig
-from .core_process import (
-    Call, EngineInfo, Outputs, Ready, Reply, Shutdown, StartFailed, receive, run_engine_core, send,
-)
+from .core_process import Call, EngineInfo, Outputs, Ready, Reply, Shutdown, StartFailed, run_engine_core
 from .engine_loop import EngineStopped
 from .llm_engine import EngineStats, resolve_device
 from .lora_request import LoRARequest
@@ -82,8 +83,8 @@ class EngineCoreClient(AsyncEngineBase):
     def lora_status(self) -> dict:
         return self._call("lora_status").result()
 
-    def add_lora(self, lora_request: LoRARequest, adapter=None) -> None:
-        self._call("add_lora", lora_request, adapter).result()
+    def add_lora(self, lora_request: LoRARequest, adapter: LoadedAdapter | None = None) -> None:
+        self._call("add_lora", lora_request, pack_adapter(adapter) if adapter is not None else None).result()
 
     def remove_lora(self, lora_int_id: int) -> None:
         self._call("remove_lora", lora_int_id).result()
@@ -112,7 +113,7 @@ class EngineCoreClient(AsyncEngineBase):
             call_id = next(self._call_ids)
             self._calls[call_id] = future
             try:
-                send(self._conn, Call(call_id, method, args))
+                self._conn.send(Call(call_id, method, args))
             except (OSError, ValueError) as exc:
                 del self._calls[call_id]
                 future.set_exception(EngineStopped(f"the engine process is gone: {exc}"))
@@ -129,7 +130,7 @@ class EngineCoreClient(AsyncEngineBase):
             if not self._process.is_alive():
                 break
         try:
-            message = receive(self._conn) if self._conn.poll(1.0) else None
+            message = self._conn.recv() if self._conn.poll(1.0) else None
         except EOFError:
             message = None
         if isinstance(message, Ready):
@@ -143,7 +144,7 @@ class EngineCoreClient(AsyncEngineBase):
         try:
             while True:
                 try:
-                    message = receive(self._conn)
+                    message = self._conn.recv()
                 except (EOFError, OSError):
                     break
                 if isinstance(message, Outputs):
@@ -182,7 +183,7 @@ class EngineCoreClient(AsyncEngineBase):
 def _stop(process: multiprocessing.Process, conn: Connection) -> None:
     """Ask the engine core to stop, then make sure it has (also at interpreter exit, for a client never shut down)."""
     try:
-        send(conn, Shutdown())
+        conn.send(Shutdown())
     except (OSError, ValueError):
         pass
     process.join(JOIN_TIMEOUT_S)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .adapter_transfer import PackedAdapter, unpack_adapter
 from .config import EngineConfig
 from .engine_loop import Delivery, EngineLoop
 from .gc_heap import freeze_startup_heap
@@ -76,17 +77,6 @@ class Shutdown:
     pass
 
 
-def send(conn: Connection, message) -> None:
-    """Pickled by value. Connection.send's pickler would pass each tensor of an adapter's weights as a shared-memory
-    file descriptor, one socket round trip each: 64 rank-16 Llama-3-8B adapters (28,672 tensors) took 42 s more to
-    reach the engine at start-up on the H200 that way."""
-    conn.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
-def receive(conn: Connection):
-    return pickle.loads(conn.recv_bytes())
-
-
 def portable(error: BaseException) -> BaseException:
     """The error itself if it survives pickling (ValueError: the client's 400s need its type), else a RuntimeError
     that names it."""
@@ -114,7 +104,7 @@ class EngineCore:
         try:
             while True:
                 try:
-                    message = receive(self._conn)
+                    message = self._conn.recv()
                 except (EOFError, OSError):
                     break
                 if isinstance(message, Shutdown):
@@ -137,8 +127,8 @@ class EngineCore:
         self.engine.abort(request_id)
         self._encoder.forget(request_id)
 
-    def _add_lora(self, lora_request, adapter) -> None:
-        self.engine.add_lora(lora_request, adapter)
+    def _add_lora(self, lora_request, packed: PackedAdapter | None) -> None:
+        self.engine.add_lora(lora_request, unpack_adapter(packed) if packed is not None else None)
 
     def _remove_lora(self, lora_int_id: int) -> None:
         self.engine.remove_lora(lora_int_id)
@@ -166,7 +156,7 @@ class EngineCore:
     def _send(self, message) -> None:
         with self._send_lock:
             try:
-                send(self._conn, message)
+                self._conn.send(message)
             except (OSError, ValueError):  # the client is gone: serve() sees its end of the pipe close
                 pass
 
@@ -178,11 +168,11 @@ def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> N
     try:
         engine = LLMEngine(config)
     except BaseException as exc:
-        send(conn, StartFailed(portable(exc)))
+        conn.send(StartFailed(portable(exc)))
         return
     info = EngineInfo(engine.tokenizer, engine.model_name, engine.max_model_len, engine.model_info, engine.config,
                       engine.dtype, engine.device)
     core = EngineCore(engine, conn)
     freeze_startup_heap()
-    send(conn, Ready(info))
+    conn.send(Ready(info))
     core.serve()

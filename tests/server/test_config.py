@@ -231,3 +231,21 @@ def test_serve_freezes_the_start_up_heap_before_serving(model_dir, tmp_path, mon
     finally:
         gc.unfreeze()  # the test process goes on collecting as usual
     assert len(frozen_when_serving) == 1 and frozen_when_serving[0] > 10_000
+
+
+@pytest.mark.parametrize("argv, environ, expected", [
+    (["--engine-core", "process"], {}, "EngineCoreClient"),
+    ([], {"LORASERVE_ENGINE_CORE": "process"}, "EngineCoreClient"),
+    (["--engine-core", "thread"], {}, "AsyncEngine"),
+    ([], {}, "AsyncEngine"),  # auto, on the CPU
+], ids=["flag", "environment", "thread", "auto_on_the_cpu"])
+def test_engine_core_says_where_the_server_runs_its_engine(model_dir, tmp_path, argv, environ, expected):
+    from openai_server.launch import build_server
+
+    server = build_server(serve_config_from_args([str(model_dir), "--dtype", "float32", "--device", "cpu", *argv],
+                                                 environ=environ, cwd=tmp_path))
+    try:
+        assert type(server.engine).__name__ == expected
+        assert server.engine.alive and server.engine.stats().kv_blocks_total > 0
+    finally:
+        server.engine.shutdown()
