@@ -147,7 +147,8 @@ class EngineCore:
                 errors.append((request_id, portable(item)))
             else:
                 deltas.append(self._encoder.encode(item))
-        self._send(Outputs(deltas, errors))
+        if deltas or errors:
+            self._send(Outputs(deltas, errors))
 
     def _reply(self, call_id: int, future) -> None:
         error = future.exception()
