@@ -21,7 +21,9 @@ from adapters_registry import LoadedAdapter
 from .adapter_transfer import pack_adapter
 from .async_engine import AsyncEngine, AsyncEngineBase, NewRequest
 from .config import EngineConfig
-from .core_process import Call, EngineInfo, Outputs, Ready, Reply, Shutdown, StartFailed, run_engine_core
+from .core_process import (
+    Call, EngineInfo, Outputs, Ready, Reply, Shutdown, StartFailed, incoming, run_engine_core,
+)
 from .engine_loop import EngineStopped
 from .llm_engine import EngineStats, resolve_device
 from .lora_request import LoRARequest
@@ -142,11 +144,7 @@ class EngineCoreClient(AsyncEngineBase):
 
     def _read(self) -> None:
         try:
-            while True:
-                try:
-                    message = self._conn.recv()
-                except (EOFError, OSError):
-                    break
+            for message in incoming(self._conn):
                 if isinstance(message, Outputs):
                     self._take_outputs(message)
                 elif isinstance(message, Reply):

@@ -11,6 +11,7 @@ import logging
 import pickle
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -77,6 +78,15 @@ class Shutdown:
     pass
 
 
+def incoming(conn: Connection) -> Iterator[Any]:
+    """Each message from the other end, until it closes its end of the pipe (or exits)."""
+    while True:
+        try:
+            yield conn.recv()
+        except (EOFError, OSError):
+            return
+
+
 def portable(error: BaseException) -> BaseException:
     """The error itself if it survives pickling (ValueError: the client's 400s need its type), else a RuntimeError
     that names it."""
@@ -102,11 +112,7 @@ class EngineCore:
     def serve(self) -> None:
         """Take calls until the client says Shutdown or goes away; then stop the engine."""
         try:
-            while True:
-                try:
-                    message = self._conn.recv()
-                except (EOFError, OSError):
-                    break
+            for message in incoming(self._conn):
                 if isinstance(message, Shutdown):
                     break
                 self._loop.submit(lambda m=message: self._run(m)).add_done_callback(

@@ -1,4 +1,4 @@
-"""The asyncio front: concurrent streams, cancellation, and errors reaching the caller."""
+"""The asyncio fronts: concurrent streams, cancellation, and errors reaching the caller."""
 from __future__ import annotations
 
 import asyncio
@@ -7,15 +7,16 @@ import time
 
 import pytest
 
-from engine import AsyncEngine, EngineConfig, SamplingParams
+from engine import AsyncEngine, EngineConfig, SamplingParams, start_async_engine
 from tests.engine.conftest import run_to_completion
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def async_engine(tiny_llama):
-    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu"))
+@pytest.fixture(scope="module", params=["thread", "process"])
+def async_engine(tiny_llama, request):
+    """Both fronts the server may drive: the engine on a thread of this process, or in a process of its own."""
+    engine = start_async_engine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu"), request.param)
     yield engine
     engine.shutdown()
 

@@ -1,4 +1,5 @@
-"""The engine core in its own process, driven through EngineCoreClient as the server drives AsyncEngine."""
+"""The engine core in its own process, driven through EngineCoreClient as the server drives AsyncEngine (what both
+fronts share is tested on both in test_async_engine.py): mixed adapters, adapter calls, and the process's own ends."""
 from __future__ import annotations
 
 import asyncio
@@ -90,50 +91,26 @@ def _assert_close_logprobs(got, expected) -> None:
         assert all(position[t].logprob == pytest.approx(want[t].logprob, abs=2e-4) for t in want)
 
 
-def test_an_invalid_request_raises_its_error_in_the_caller(client):
-    with pytest.raises(ValueError, match="maximum context length"):
-        asyncio.run(_collect(client, "x", SamplingParams(max_tokens=10_000)))
-    assert _idle(client).num_waiting == 0
-
-
 def test_an_unknown_adapter_raises_in_the_caller(client):
     with pytest.raises(ValueError):
         asyncio.run(_collect(client, "x", PARAMS, LoRARequest("nowhere", 99, "/does/not/exist")))
     assert client.alive
 
 
-def test_cancelling_the_consumer_aborts_and_frees_blocks(client):
+def test_requests_left_early_leave_nothing_behind_in_the_client_or_the_engine(client):
     async def main():
-        started = asyncio.Event()
+        async def left_after(outputs: int):
+            stream = client.generate("Hello", LONG)
+            for _ in range(outputs):
+                await stream.__anext__()
+            await stream.aclose()
 
-        async def consume():
-            async for _ in client.generate("Hello", LONG):
-                started.set()
-
-        task = asyncio.create_task(consume())
-        await started.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
+        await asyncio.gather(*(left_after(n) for n in (1, 2, 3)))
 
     asyncio.run(main())
     stats = _idle(client)
     assert stats.num_running == stats.num_waiting == stats.kv_blocks_used == 0
     assert client._decoder._outputs == {}
-
-
-def test_abort_by_request_id_ends_the_stream_and_frees_blocks(client):
-    async def main():
-        outputs = []
-        async for output in client.generate("Hello", LONG, request_id="to-abort"):
-            outputs.append(output)
-            if len(outputs) == 2:
-                await client.abort("to-abort")
-                break
-        return outputs
-
-    assert len(asyncio.run(main())) == 2
-    assert _idle(client).kv_blocks_used == 0
 
 
 def test_adapter_calls_reach_the_engine(client, adapters):
