@@ -26,6 +26,7 @@ from .llm_engine import LLMEngine
 from .output_delta import DeltaEncoder, OutputDelta
 
 logger = logging.getLogger("loraserve.engine")
+LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # the server's, so both processes' lines read alike
 
 
 @dataclass
@@ -170,7 +171,7 @@ class EngineCore:
 
 def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> None:
     """The engine-core process's entry point: build the engine, say Ready (or why not), serve until told to stop."""
-    logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=log_level, format=LOG_FORMAT)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole process group: the client stops us
     try:
         engine = LLMEngine(config)

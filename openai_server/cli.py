@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.core_process import LOG_FORMAT
+
 from .config import ConfigError, add_serve_arguments, resolve_config
 from .launch import serve
 
@@ -39,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = resolve_config(args, os.environ, Path.cwd())
     except ConfigError as exc:
         parser.exit(2, f"loraserve serve: error: {exc}\n")
-    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     if config.config_file:
         logging.getLogger("loraserve.server").info("Settings from %s", config.config_file)
     try:

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,7 +18,7 @@ import pytest
 from adapters_registry import AdapterRegistry, AdapterSpec
 from openai_server import ServerSettings, build_app
 from openai_server.adapters import register_adapter
-from tests.server.conftest import RunningServer, make_engine, start_server, stop_server
+from tests.server.conftest import RunningServer, _free_port, make_engine, start_server, stop_server
 
 GREEDY = {"max_tokens": 12, "temperature": 0}
 
@@ -112,3 +115,46 @@ def test_once_the_engine_process_dies_health_and_requests_say_503(model_dir, ada
     finally:
         stop_server(running)
         running_server.engine.shutdown()
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _gone(pid: int, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not Path(f"/proc/{pid}").exists()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads a process's children from /proc")
+def test_ctrl_c_stops_the_cli_server_and_its_engine_process(model_dir, tmp_path):
+    """`loraserve serve --engine-core process` as a user starts it: it serves, and a Ctrl-C (SIGINT) ends the server
+    cleanly with no engine process left behind."""
+    port = _free_port()
+    log = tmp_path / "server.log"
+    command = [sys.executable, "-m", "openai_server.cli", "serve", str(model_dir), "--dtype", "float32", "--device",
+               "cpu", "--engine-core", "process", "--port", str(port), "--log-level", "info"]
+    with log.open("w") as out:
+        server = subprocess.Popen(command, cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and server.poll() is None:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        children = _children(server.pid)
+        assert children, log.read_text()
+        reply = httpx.post(url + "/v1/completions", json={"prompt": "Hello", **GREEDY}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] > 0
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=60) == 0, log.read_text()
+        assert "Traceback" not in log.read_text(), log.read_text()
+        assert all(_gone(child) for child in children), log.read_text()
+    finally:
+        if server.poll() is None:
+            server.kill()
