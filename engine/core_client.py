@@ -59,7 +59,12 @@ class EngineCoreClient(AsyncEngineBase):
         theirs.close()
         self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
         self._stop_lock = threading.Lock()  # whoever stops the process second waits until it is reaped
-        info = self._wait_until_ready()
+        try:
+            info = self._wait_until_ready()
+        except BaseException:  # it failed, or the wait was cut short (Ctrl-C during a long start): nothing to wait for
+            self._process.kill()
+            self._finalizer()
+            raise
         self.tokenizer = info.tokenizer
         self.model_name: str = info.model_name
         self.max_model_len: int = info.max_model_len
@@ -125,7 +130,6 @@ class EngineCoreClient(AsyncEngineBase):
         with self._stop_lock:
             self._finalizer()
 
-    # ---- the reader thread ----------------------------------------------------------------
     def _wait_until_ready(self) -> EngineInfo:
         """Block until the engine is built (minutes for a large model on a GPU); its failure is raised here."""
         while not self._conn.poll(0.5):
@@ -137,11 +141,12 @@ class EngineCoreClient(AsyncEngineBase):
             message = None
         if isinstance(message, Ready):
             return message.info
-        self._finalizer()
         if isinstance(message, StartFailed):
             raise message.error
+        self._process.join(JOIN_TIMEOUT_S)
         raise RuntimeError(f"the engine process exited with code {self._process.exitcode} before it was ready")
 
+    # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
         try:
             for message in incoming(self._conn):

@@ -3,8 +3,10 @@ fronts share is tested on both in test_async_engine.py): mixed adapters, adapter
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -135,6 +137,30 @@ def test_adapter_calls_reach_the_engine(client, adapters):
 def test_a_failed_start_raises_the_engines_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         EngineCoreClient(_config(tmp_path))
+
+
+def test_an_engine_process_killed_while_it_starts_is_an_error_in_the_constructor(tiny_llama):
+    before = {p.pid for p in multiprocessing.active_children()}
+    outcome = {}
+
+    def start():
+        try:
+            EngineCoreClient(_config(tiny_llama))
+        except RuntimeError as exc:
+            outcome["error"] = str(exc)
+
+    starter = threading.Thread(target=start)
+    starter.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        starting = [p for p in multiprocessing.active_children()
+                    if p.name == "loraserve-engine-core" and p.pid not in before]
+        if starting:
+            break
+        time.sleep(0.01)
+    os.kill(starting[0].pid, signal.SIGKILL)  # it is still importing torch: seconds before it could be ready
+    starter.join(timeout=60)
+    assert outcome == {"error": "the engine process exited with code -9 before it was ready"}
 
 
 def test_a_dead_engine_process_fails_its_streams_and_calls(tiny_llama):
