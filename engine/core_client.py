@@ -37,8 +37,9 @@ ENGINE_CORES = ("auto", "process", "thread")
 
 def start_async_engine(config: EngineConfig, engine_core: str = "auto") -> AsyncEngineBase:
     """The engine the server drives: in a process of its own, or on a thread of this one. auto: a process on one GPU
-    (where the HTTP layer's share of the GIL cost throughput); a thread on the CPU, and with tensor parallelism, whose
-    worker processes have not been run from an engine-core process yet."""
+    (where the HTTP layer's share of the GIL cost throughput); a thread on the CPU (where the engine's intra-op threads
+    in a process of their own competed with the server's for the cores, and were slower) and with tensor parallelism
+    (whose workers have not been run from an engine-core process yet)."""
     if engine_core not in ENGINE_CORES:
         raise ValueError(f"engine_core must be one of {', '.join(ENGINE_CORES)}, not {engine_core!r}")
     if engine_core == "auto":
