@@ -169,13 +169,19 @@ class EngineCore:
                 pass
 
 
+def _exit_cleanly(signum, frame) -> None:
+    """SIGTERM: stop stepping, stop the engine's own processes, exit 0 (the client reports a shutdown, not a crash)."""
+    raise SystemExit(0)
+
+
 def run_engine_core(config: EngineConfig, conn: Connection, log_level: int) -> None:
     """The engine-core process's entry point: build the engine, say Ready (or why not), serve until told to stop."""
     logging.basicConfig(level=log_level, format=LOG_FORMAT)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C reaches the whole process group: the client stops us
+    signal.signal(signal.SIGTERM, _exit_cleanly)  # as does a service manager's stop
     try:
         engine = LLMEngine(config)
-    except BaseException as exc:
+    except Exception as exc:
         conn.send(StartFailed(portable(exc)))
         return
     info = EngineInfo(engine.tokenizer, engine.model_name, engine.max_model_len, engine.model_info, engine.config,

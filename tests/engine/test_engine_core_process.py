@@ -184,6 +184,25 @@ def test_a_dead_engine_process_fails_its_streams_and_calls(tiny_llama):
         engine.shutdown()
 
 
+def test_a_terminated_engine_process_stops_cleanly(tiny_llama):
+    """SIGTERM (a service manager stopping the whole group) ends the engine process with exit code 0: the client
+    reports a shutdown, not a crash."""
+    engine = EngineCoreClient(_config(tiny_llama))
+    try:
+        async def main():
+            stream = engine.generate("Hello", LONG)
+            await stream.__anext__()
+            engine._process.terminate()
+            with pytest.raises(EngineStopped, match="the engine has been shut down"):
+                async for _ in stream:
+                    pass
+
+        asyncio.run(main())
+        assert not engine.alive and engine._process.exitcode == 0
+    finally:
+        engine.shutdown()
+
+
 def test_shutdown_ends_the_process_and_fails_running_streams(tiny_llama):
     engine = EngineCoreClient(_config(tiny_llama))
 
