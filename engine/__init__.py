@@ -2,6 +2,7 @@
 from .async_engine import AsyncEngine, AsyncEngineBase
 from .config import EngineConfig
 from .core_client import ENGINE_CORES, EngineCoreClient, start_async_engine
+from .engine_loop import EngineStopped
 from .flat_logprobs import FlatLogprobs
 from .llm import LLM
 from .llm_engine import EngineStats, LLMEngine
@@ -11,6 +12,6 @@ from .sampling_params import SamplingParams
 
 __all__ = [
     "AsyncEngine", "AsyncEngineBase", "CompletionOutput", "ENGINE_CORES", "EngineConfig", "EngineCoreClient",
-    "EngineStats", "FlatLogprobs", "LLM", "LLMEngine", "Logprob", "LoRARequest", "RequestOutput", "SamplingParams",
-    "start_async_engine",
+    "EngineStats", "EngineStopped", "FlatLogprobs", "LLM", "LLMEngine", "Logprob", "LoRARequest", "RequestOutput",
+    "SamplingParams", "start_async_engine",
 ]

@@ -107,11 +107,11 @@ class AsyncEngineBase:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = (loop, queue)
 
-    def _close_stream(self, request_id: str, queue: asyncio.Queue | None = None) -> None:
-        """Forget a stream (only the one reading `queue`, if given: the id may have been taken again since)."""
+    def _close_stream(self, request_id: str, queue: asyncio.Queue) -> None:
+        """Forget the stream reading `queue` (not another: its id may have been taken again since it finished)."""
         with self._streams_lock:
             target = self._streams.get(request_id)
-            if target is not None and (queue is None or target[1] is queue):
+            if target is not None and target[1] is queue:
                 del self._streams[request_id]
 
     def _deliver(self, items: Delivery) -> None:

@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from adapters_registry import AdapterRegistry
-from engine.engine_loop import EngineStopped
+from engine import EngineStopped
 
 from .adapters import AdapterService
 from .auth import APIKeyMiddleware

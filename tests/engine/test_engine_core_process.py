@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from engine import AsyncEngine, EngineConfig, EngineCoreClient, LoRARequest, SamplingParams, start_async_engine
-from engine.engine_loop import EngineStopped
+from engine import (
+    AsyncEngine, EngineConfig, EngineCoreClient, EngineStopped, LoRARequest, SamplingParams, start_async_engine,
+)
 from tests.engine.conftest import run_to_completion
 from tests.tiny_models import make_peft_adapter
 
