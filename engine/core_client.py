@@ -6,6 +6,7 @@ every stream and pending call fails with EngineStopped, and `alive` turns false 
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -58,7 +59,10 @@ class EngineCoreClient(AsyncEngineBase):
                                         args=(config, theirs, logging.getLogger().getEffectiveLevel()))
         self._process.start()
         theirs.close()
-        self._finalizer = weakref.finalize(self, _stop, self._process, self._conn)
+        self._stopping = threading.Event()  # set once we ask it to stop: its end is then no crash
+        self._finalizer = weakref.finalize(self, _stop, self._process, self._conn, self._stopping)
+        # at exit, before multiprocessing's own hook waits for its children, this one among them
+        atexit.register(self._finalizer)
         self._stop_lock = threading.Lock()  # whoever stops the process second waits until it is reaped
         try:
             info = self._wait_until_ready()
@@ -130,6 +134,7 @@ class EngineCoreClient(AsyncEngineBase):
     def _stop_process(self) -> None:
         with self._stop_lock:
             self._finalizer()
+        atexit.unregister(self._finalizer)
 
     def _wait_until_ready(self) -> EngineInfo:
         """Block until the engine is built (minutes for a large model on a GPU); its failure is raised here."""
@@ -145,7 +150,8 @@ class EngineCoreClient(AsyncEngineBase):
         if isinstance(message, StartFailed):
             raise message.error
         self._process.join(JOIN_TIMEOUT_S)
-        raise RuntimeError(f"the engine process exited with code {self._process.exitcode} before it was ready")
+        raise RuntimeError(f"the engine process exited with code {self._process.exitcode} before it was ready (a "
+                           "script that starts one needs an `if __name__ == \"__main__\":` guard)")
 
     # ---- the reader thread ----------------------------------------------------------------
     def _read(self) -> None:
@@ -171,21 +177,25 @@ class EngineCoreClient(AsyncEngineBase):
         self._deliver(items)
 
     def _engine_gone(self) -> None:
+        asked = self._stopping.is_set()  # (at interpreter exit the finalizer may be stopping it without our lock)
         self._stop_process()  # a process still running (the client broke, not the engine) is stopped
+        self._process.join(JOIN_TIMEOUT_S)
         code = self._process.exitcode
+        crashed = not asked and code != 0
         with self._send_lock:
-            self._stopped = EngineStopped("the engine has been shut down" if code == 0 else
-                                          f"the engine process exited with code {code}")
+            self._stopped = EngineStopped(f"the engine process exited with code {code}" if crashed else
+                                          "the engine has been shut down")
             calls, self._calls = self._calls, {}
-        if code != 0:
+        if crashed:
             logger.error("%s: failing %d pending calls and every running request", self._stopped, len(calls))
         for future in calls.values():
             future.set_exception(self._stopped)
         self._fail_all_streams(self._stopped)
 
 
-def _stop(process: multiprocessing.Process, conn: Connection) -> None:
+def _stop(process: multiprocessing.Process, conn: Connection, stopping: threading.Event) -> None:
     """Ask the engine core to stop, then make sure it has (also at interpreter exit, for a client never shut down)."""
+    stopping.set()
     try:
         conn.send(Shutdown())
     except (OSError, ValueError):

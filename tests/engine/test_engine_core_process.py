@@ -6,8 +6,11 @@ import asyncio
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -161,7 +164,7 @@ def test_an_engine_process_killed_while_it_starts_is_an_error_in_the_constructor
         time.sleep(0.01)
     os.kill(starting[0].pid, signal.SIGKILL)  # it is still importing torch: seconds before it could be ready
     starter.join(timeout=60)
-    assert outcome == {"error": "the engine process exited with code -9 before it was ready"}
+    assert outcome["error"].startswith("the engine process exited with code -9 before it was ready")
 
 
 def test_a_dead_engine_process_fails_its_streams_and_calls(tiny_llama):
@@ -202,6 +205,25 @@ def test_a_terminated_engine_process_stops_cleanly(tiny_llama):
         assert not engine.alive and engine._process.exitcode == 0
     finally:
         engine.shutdown()
+
+
+def test_a_client_never_shut_down_stops_its_engine_process_at_exit_without_calling_it_a_crash(tiny_llama):
+    """A script that fails after starting the engine (a server whose adapter is refused) and exits: its engine process
+    is stopped, and the exit is not reported as the engine dying."""
+    script = ("from engine import EngineConfig, EngineCoreClient\n"
+              "def main():\n"
+              f"    client = EngineCoreClient(EngineConfig(model={str(tiny_llama)!r}, dtype='float32', device='cpu'))\n"
+              "    print(client._process.pid, flush=True)\n"
+              "    raise ValueError('a bad adapter')\n"
+              "main()\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "ValueError: a bad adapter" in result.stderr, result.stderr
+    pid = int(result.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{pid}").exists()
+    assert "exited with code" not in result.stderr, result.stderr
 
 
 def test_shutdown_ends_the_process_and_fails_running_streams(tiny_llama):
