@@ -68,7 +68,7 @@ class EngineCoreClient(AsyncEngineBase):
             info = self._wait_until_ready()
         except BaseException:  # it failed, or the wait was cut short (Ctrl-C during a long start): nothing to wait for
             self._process.kill()
-            self._finalizer()
+            self._stop_process()
             raise
         self.tokenizer = info.tokenizer
         self.model_name: str = info.model_name

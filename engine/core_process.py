@@ -25,7 +25,6 @@ from .gc_heap import freeze_startup_heap
 from .llm_engine import LLMEngine
 from .output_delta import DeltaEncoder, OutputDelta
 
-logger = logging.getLogger("loraserve.engine")
 LOG_FORMAT = "%(levelname)s %(asctime)s %(name)s: %(message)s"  # the server's, so both processes' lines read alike
 
 
