@@ -541,9 +541,13 @@ def _reader_variant(text: str) -> tuple[int, float]:
     return int(threads), float(interval_ms)
 
 
+ENGINE_SETTINGS = ("adapter_reader", "admission_order", "suspend_margin", "cudagraph_mode")
+
+
 def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
-    settings = dict(adapter_reader=args.adapter_reader, admission_order=args.admission_order,
-                    suspend_margin=args.suspend_margin, cudagraph_mode=args.cudagraph_mode) | overrides
+    """The benchmarks' engine; the settings a script's flags leave out (`ENGINE_SETTINGS`) keep EngineConfig's
+    defaults."""
+    settings = {name: getattr(args, name) for name in ENGINE_SETTINGS if hasattr(args, name)} | overrides
     config = EngineConfig(model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32",
                           device=args.device, load_format="dummy",
                           max_model_len=args.prompt_len + args.output_len + 64, max_num_seqs=args.max_num_seqs,
