@@ -64,14 +64,19 @@ class ExpandConfig:
 # at 16 and 64 tokens, the 16-row SGMV class at 128 and 256 (before 128 tokens moved to BGMV; the script
 # now scores BGMV at 128 and that SGMV class at 256 only), the 64-row class at 1024 and 8192.
 # 2026-11-30: the 64-row single-slice rank-16 shrink takes split_k 6 (down: 110.9 -> 103.2 us).
+# 2026-12-03: the 16-row rank-16 shrinks take block_k 64, split_k 32, 2 warps, 2 stages (the 16-row class runs the
+# decode graphs of 129-512 rows and the piecewise graphs of mixed steps below 512 tokens; more programs along K
+# for their few tiles). `benchmarks/decode_shrinks.py`, one layer's four shrinks as a decode graph runs them, us,
+# the old config (block_k 128, split_k 8, 4 warps, 3 stages) against it: 256 rows on 1 / 8 / 64 adapters 29.9 /
+# 33.6 / 51.3 against 25.8 / 30.4 / 48.0; 512 rows 38.3 / 41.0 / 53.7 against 30.0 / 33.5 / 50.0 (no group slower).
 # (path, block_m or 0 for BGMV, rank bucket, several slices) -> config
 _SHRINK: dict[tuple[str, int, int, bool], ShrinkConfig] = {
     ("bgmv", 0, 16, False): ShrinkConfig(block_r=2, block_k=8192, split_k=1, num_warps=8, num_stages=1),
     ("bgmv", 0, 16, True): ShrinkConfig(block_r=1, block_k=16384, split_k=1, num_warps=4, num_stages=1),
     ("bgmv", 0, 64, False): ShrinkConfig(block_r=1, block_k=2048, split_k=1, num_warps=4, num_stages=1),
     ("bgmv", 0, 64, True): ShrinkConfig(block_r=1, block_k=16384, split_k=1, num_warps=8, num_stages=1),
-    ("sgmv", 16, 16, False): ShrinkConfig(block_r=16, block_k=128, split_k=8, num_warps=4, num_stages=3),
-    ("sgmv", 16, 16, True): ShrinkConfig(block_r=16, block_k=128, split_k=8, num_warps=4, num_stages=3),
+    ("sgmv", 16, 16, False): ShrinkConfig(block_r=16, block_k=64, split_k=32, num_warps=2, num_stages=2),
+    ("sgmv", 16, 16, True): ShrinkConfig(block_r=16, block_k=64, split_k=32, num_warps=2, num_stages=2),
     ("sgmv", 16, 64, False): ShrinkConfig(block_r=64, block_k=128, split_k=16, num_warps=4, num_stages=2),
     ("sgmv", 16, 64, True): ShrinkConfig(block_r=64, block_k=128, split_k=4, num_warps=4, num_stages=3),
     ("sgmv", 64, 16, False): ShrinkConfig(block_r=16, block_k=128, split_k=6, num_warps=8, num_stages=3),
