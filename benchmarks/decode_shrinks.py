@@ -1,9 +1,10 @@
 """A decode graph's LoRA shrinks per token (BGMV) against in 16-row segments (SGMV), with the committed configs and
 candidates: how the 16-row class is tuned, and whether segment shrinks would pay on per-token steps (they did not:
-BGMV stays ahead below 129 rows except at 128 rows on one adapter; BENCHMARKS.md, twenty-eighth session). Llama-3-8B shapes, bf16, rank 16, the four groups of a decoder layer (q/k/v, o, gate/up, down), each
-cycled over 32 layers' own slot stacks in one CUDA graph without an L2 flush (as in a decode step, where the first
-row of an adapter brings its A from HBM and the rest find it in L2); µs per layer (`triton.testing.do_bench_cudagraph`). Also checks
-both paths against float64 at every shape.
+BGMV stays ahead below 129 rows except at 128 rows on one adapter; BENCHMARKS.md, twenty-eighth session).
+Llama-3-8B shapes, bf16, rank 16, the four groups of a decoder layer (q/k/v, o, gate/up, down), each cycled over 32
+layers' own slot stacks in one CUDA graph without an L2 flush (as in a decode step, where the first row of an adapter
+brings its A from HBM and the rest find it in L2); µs per layer (`triton.testing.do_bench_cudagraph`). Also checks
+every variant against float64 at every shape.
 
     python3 benchmarks/decode_shrinks.py --out DIR [--tokens 32 64 128] [--adapters 1 4 8 16 32]
 
@@ -40,7 +41,8 @@ def grouped_slots(tokens: int, adapters: int, device: str) -> torch.Tensor:
     return torch.tensor([i % adapters for i in range(tokens)], dtype=torch.int32, device=device)
 
 
-def check(x: torch.Tensor, stacks: list[torch.Tensor], meta: LoRAMetadata, path: str, cfg: ShrinkConfig | None) -> float:
+def check(x: torch.Tensor, stacks: list[torch.Tensor], meta: LoRAMetadata, path: str,
+          cfg: ShrinkConfig | None) -> float:
     h = lora_triton.shrink_slices(x, stacks, meta, path=path, config=cfg)
     slots = meta.slots[:meta.num_tokens].long()
     ref = torch.stack([torch.einsum("tk,trk->tr", x.double(), a.double()[slots]) for a in stacks])
@@ -53,7 +55,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128])
     parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 8, 16, 32])
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--smoke", action="store_true", help="tiny shapes, to check the script (TRITON_INTERPRET=1 without a GPU)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny shapes, to check the script (TRITON_INTERPRET=1 without a GPU)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
