@@ -89,12 +89,15 @@ def test_concurrent_mixed_adapter_requests_match_the_offline_engine(client, adap
 
 
 def _assert_close_logprobs(got, expected) -> None:
-    """The same tokens, ranks and decoded texts at every position; logprobs as close as batching leaves them."""
+    """The same tokens, ranks and decoded texts at every position; logprobs as close as batching leaves them. Float32
+    sums taken in another order (another batch) move a few ill-conditioned positions of the random tiny model by up to
+    4.2e-4: "The capital of France" on a0, output position 7, lies 2.1e-4 from the float64 peft reference whether it
+    runs alone or beside the others, on opposite sides (elsewhere both stay within 7e-6)."""
     assert len(got) == len(expected)
     for position, want in zip(got, expected):
         assert {t: (lp.rank, lp.decoded_token) for t, lp in position.items()} == {
             t: (lp.rank, lp.decoded_token) for t, lp in want.items()}
-        assert all(position[t].logprob == pytest.approx(want[t].logprob, abs=2e-4) for t in want)
+        assert all(position[t].logprob == pytest.approx(want[t].logprob, abs=1e-3) for t in want)
 
 
 def test_an_unknown_adapter_raises_in_the_caller(client):
