@@ -16,6 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_identity import gpu_identity  # noqa: E402
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 from benchmarks.serving import (  # noqa: E402
     SHAPES, build_engine, bytes_floor_ms, decode_step_profile, make_adapters, make_model_dir, release_gpu_memory,
@@ -62,7 +63,8 @@ def main() -> None:
     paths = make_adapters(Path(args.work) / f"adapters-{args.shape}{rank_suffix}", model_dir, args.shape, count,
                           min(count, 16), rank=args.adapter_rank)
     bandwidth = measure_bandwidth("cuda")
-    results: dict = {"bandwidth_tbs": bandwidth / 1e12, "decode_tiles": lora_tuning.decode_tiles(),
+    results: dict = {"gpu": gpu_identity(), "bandwidth_tbs": bandwidth / 1e12,
+                     "decode_tiles": lora_tuning.decode_tiles(),
                      "segments_from": {rank: vars(start) for rank, start in lora_tuning.SEGMENTS_FROM.items()},
                      "adapter_rank": args.adapter_rank, "max_lora_rank": args.max_lora_rank, "rows": []}
 

@@ -31,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.gpu_identity import gpu_identity  # noqa: E402
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 
 from engine import AsyncEngine, EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
@@ -642,6 +643,7 @@ def main() -> None:
     log(f"adapters written in {time.perf_counter() - t:.1f}s")
     RESULTS["config"] = vars(args)
     gpu = args.device == "cuda"
+    RESULTS["gpu"] = gpu_identity() if gpu else {}
     RESULTS["hbm_bytes_per_s"] = bandwidth = measure_bandwidth("cuda") if gpu else 0.0
     log(f"measured D2D bandwidth {bandwidth / 1e12:.2f} TB/s")
     batch = prompts(args.num_requests, args.prompt_len, vocab)

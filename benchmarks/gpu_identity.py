@@ -1,0 +1,32 @@
+"""Which board a benchmark ran on. The same code measures differently on two H200s: (c)/(a) at 128 sequences was
+0.890 on one machine and 0.853-0.857 on three others (BENCHMARKS.md, thirty-first session). So each result records
+the GPU's identity and limits, and figures from different boards can be told apart."""
+from __future__ import annotations
+
+import subprocess
+
+FIELDS = ("name", "uuid", "pci.bus_id", "driver_version", "vbios_version", "clocks.max.sm", "clocks.max.memory",
+          "power.limit", "ecc.mode.current", "temperature.gpu")
+
+
+def parse(line: str) -> dict[str, str]:
+    """One row of `nvidia-smi --query-gpu=<FIELDS> --format=csv,noheader,nounits` as field -> value."""
+    values = [value.strip() for value in line.split(",")]
+    if len(values) != len(FIELDS):
+        raise ValueError(f"expected {len(FIELDS)} comma-separated values ({', '.join(FIELDS)}), got {line!r}")
+    return dict(zip(FIELDS, values))
+
+
+def gpu_identity(index: int = 0) -> dict[str, str]:
+    """The identity of GPU `index` as nvidia-smi reports it; empty where there is no nvidia-smi (CPU runs), and the
+    raw row where it does not parse (a benchmark's record must not end the benchmark)."""
+    try:
+        result = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(FIELDS)}", "--format=csv,noheader,nounits",
+                                 "-i", str(index)], capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    line = result.stdout.strip().splitlines()[0] if result.stdout.strip() else ""
+    try:
+        return parse(line)
+    except ValueError:
+        return {"nvidia-smi": line}
