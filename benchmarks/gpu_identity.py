@@ -25,7 +25,8 @@ def gpu_identity(index: int = 0) -> dict[str, str]:
                                  "-i", str(index)], capture_output=True, text=True, timeout=30, check=True)
     except (OSError, subprocess.SubprocessError):
         return {}
-    line = result.stdout.strip().splitlines()[0] if result.stdout.strip() else ""
+    lines = result.stdout.strip().splitlines()
+    line = lines[0] if lines else ""
     try:
         return parse(line)
     except ValueError:
