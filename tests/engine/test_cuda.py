@@ -87,6 +87,16 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
     assert _tokens(folded) == _tokens(unfolded)
 
 
+def test_graphs_give_the_same_tokens_with_an_sm_carveout_beside_the_side_stream_or_not(tiny_llama, loras, monkeypatch):
+    kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
+    monkeypatch.setenv("LORASERVE_LORA_SIDE_CARVEOUT", "8")
+    carved = _mixed(LLM(str(tiny_llama), **kwargs), loras)
+    assert torch._C._get_sm_carveout_experimental() is None  # restored after each capture
+    monkeypatch.setenv("LORASERVE_LORA_SIDE_CARVEOUT", "0")
+    plain = _mixed(LLM(str(tiny_llama), **kwargs), loras)
+    assert _tokens(carved) == _tokens(plain)
+
+
 def test_base_only_decode_steps_of_a_lora_engine_replay_graphs_without_the_lora_work(tiny_llama, loras):
     kwargs = dict(device="cuda", dtype="float32")
     lora_llm = LLM(str(tiny_llama), enable_lora=True, max_loras=4, max_lora_rank=16, **kwargs)

@@ -108,3 +108,13 @@ def test_metadata_in_segments_runs_the_segment_kernels_at_a_per_token_size(monke
     lora_triton.expand_slices(y, h, [b], meta)
     assert [call.name for call in launches] == ["_shrink_sgmv_kernel", "_expand_sgmv_kernel"]
     assert relative_error(y, want) <= (5e-3 if device == "cuda" else 1e-5)  # TF32 dots on CUDA
+
+
+def test_the_side_stream_carveout_is_read_from_the_environment(monkeypatch):
+    from kernels import lora_tuning
+
+    monkeypatch.setenv(lora_tuning.SIDE_STREAM_CARVEOUT_ENV, "8")
+    assert lora_tuning.side_stream_carveout() == 8
+    monkeypatch.setenv(lora_tuning.SIDE_STREAM_CARVEOUT_ENV, "eight")
+    with pytest.raises(ValueError, match="must be a number of SMs"):
+        lora_tuning.side_stream_carveout()
