@@ -64,7 +64,7 @@ class LoRALinear(nn.Module):
         else:  # the base matmul is issued first (H200 decode graphs, 64 rows on 64 adapters: 7.20 -> 7.07 ms)
             main = torch.cuda.current_stream()
             lora.side_stream.wait_stream(main)
-            with _matmul_beside_side_stream():
+            with _matmul_beside_side_stream(x.shape[0]):
                 y = self._base(x, out)
             with torch.cuda.stream(lora.side_stream):
                 h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
@@ -95,11 +95,11 @@ class LoRALinear(nn.Module):
 
 
 @contextmanager
-def _matmul_beside_side_stream() -> Iterator[None]:
-    """The base matmul beside a side-stream shrink through cuBLASLt on all but `lora_tuning.side_stream_carveout()`
-    SMs, so the shrink starts on SMs of its own instead of waiting for the GEMM's tiles (torch applies an SM
-    carveout on its cuBLASLt paths only). Nothing without a carveout."""
-    carveout = lora_tuning.side_stream_carveout()
+def _matmul_beside_side_stream(num_tokens: int) -> Iterator[None]:
+    """The base matmul of `num_tokens` rows beside a side-stream shrink through cuBLASLt on all but
+    `lora_tuning.side_stream_carveout(num_tokens)` SMs, so the shrink starts on SMs of its own instead of waiting
+    for the GEMM's tiles (torch applies an SM carveout on its cuBLASLt paths only). Nothing without a carveout."""
+    carveout = lora_tuning.side_stream_carveout(num_tokens)
     if not carveout:
         yield
         return

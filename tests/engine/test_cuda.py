@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, LoRARequest, SamplingParams
+from kernels import lora_tuning
 from tests.engine.recording_graph import record_replays
 from tests.tiny_models import make_peft_adapter
 
@@ -89,9 +90,14 @@ def test_graphs_give_the_same_tokens_with_the_lora_expands_folded_or_not(tiny_ll
 
 def test_graphs_give_the_same_tokens_with_an_sm_carveout_beside_the_side_stream_or_not(tiny_llama, loras, monkeypatch):
     kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
+    monkeypatch.setattr(lora_tuning, "SIDE_STREAM_CARVEOUT_MIN_TOKENS", 1)  # every bucket the prompts replay
+    carveouts = []
+    set_carveout = torch._C._set_sm_carveout_experimental
+    monkeypatch.setattr(torch._C, "_set_sm_carveout_experimental",
+                        lambda sms: (carveouts.append(sms), set_carveout(sms)))
     monkeypatch.setenv("LORASERVE_LORA_SIDE_CARVEOUT", "8")
     carved = _mixed(LLM(str(tiny_llama), **kwargs), loras)
-    assert torch._C._get_sm_carveout_experimental() is None  # restored after each capture
+    assert 8 in carveouts and torch._C._get_sm_carveout_experimental() is None  # set for captures, then restored
     monkeypatch.setenv("LORASERVE_LORA_SIDE_CARVEOUT", "0")
     plain = _mixed(LLM(str(tiny_llama), **kwargs), loras)
     assert _tokens(carved) == _tokens(plain)

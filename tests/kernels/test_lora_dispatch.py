@@ -110,11 +110,25 @@ def test_metadata_in_segments_runs_the_segment_kernels_at_a_per_token_size(monke
     assert relative_error(y, want) <= (5e-3 if device == "cuda" else 1e-5)  # TF32 dots on CUDA
 
 
-def test_the_side_stream_carveout_is_read_from_the_environment(monkeypatch):
+def test_the_side_stream_carveout_leaves_smaller_buckets_alone(monkeypatch):
     from kernels import lora_tuning
 
     monkeypatch.setenv(lora_tuning.SIDE_STREAM_CARVEOUT_ENV, "8")
-    assert lora_tuning.side_stream_carveout() == 8
+    assert lora_tuning.side_stream_carveout(lora_tuning.SIDE_STREAM_CARVEOUT_MIN_TOKENS - 1) == 0
+
+
+def test_the_side_stream_carveout_is_read_from_the_environment(monkeypatch):
+    from kernels import lora_tuning
+
+    monkeypatch.setenv(lora_tuning.SIDE_STREAM_CARVEOUT_ENV, "4")
+    assert lora_tuning.side_stream_carveout(lora_tuning.SIDE_STREAM_CARVEOUT_MIN_TOKENS) == 4
+    monkeypatch.setenv(lora_tuning.SIDE_STREAM_CARVEOUT_ENV, "0")
+    assert lora_tuning.side_stream_carveout(lora_tuning.SIDE_STREAM_CARVEOUT_MIN_TOKENS) == 0
+
+
+def test_a_side_stream_carveout_that_is_not_a_number_is_refused(monkeypatch):
+    from kernels import lora_tuning
+
     monkeypatch.setenv(lora_tuning.SIDE_STREAM_CARVEOUT_ENV, "eight")
     with pytest.raises(ValueError, match="must be a number of SMs"):
-        lora_tuning.side_stream_carveout()
+        lora_tuning.side_stream_carveout(lora_tuning.SIDE_STREAM_CARVEOUT_MIN_TOKENS)
