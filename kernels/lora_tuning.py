@@ -217,7 +217,7 @@ def tileable_decode_ops(num_tokens: int) -> frozenset[str]:
 # SMs the base matmul of a decode graph leaves to the side-stream shrinks beside it, in buckets of at least
 # SIDE_STREAM_CARVEOUT_MIN_TOKENS tokens; the matmul then runs through cuBLASLt, the only path on which torch applies
 # an SM carveout. H200, decode graph replay, 0 against 8 SMs left (`decode_step.py --cases lora --cudagraph-mode
-# full_decode_only`; two machines, 128 rows on each), ms:
+# full_decode_only`; 112 rows on a second board, 128 x 1 and 128 x 64 on both), ms:
 #   rows x adapters  16 x 64  64 x 64  96 x 1  96 x 64  112 x 1  112 x 64  128 x 1    128 x 16   128 x 64
 #   0                5.50     7.18     7.72    8.63     8.08     9.03      8.77/8.75  9.05/9.07  9.74/9.71
 #   8                5.53     7.29     8.19    9.15     7.85     9.05      8.61/8.51  8.86/8.86  9.57/9.53
