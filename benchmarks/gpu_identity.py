@@ -1,6 +1,7 @@
-"""Which board a benchmark ran on. The same code measures differently on two H200s: (c)/(a) at 128 sequences was
-0.890 on one machine and 0.853-0.857 on three others (BENCHMARKS.md, thirty-first session). So each result records
-the GPU's identity and limits, and figures from different boards can be told apart."""
+"""Which board a benchmark ran on. The device calls land on different H200s, and the same code's latency-bound
+kernels measure differently on them (decode graph replay at 128 rows on 64 adapters: 9.49-9.52 ms in the
+twenty-ninth session, 9.71-9.74 in the thirty-second; BENCHMARKS.md). So each result records the GPU's identity and
+limits, and figures from different boards can be told apart."""
 from __future__ import annotations
 
 import subprocess

@@ -28,7 +28,7 @@ import kernels
 from kernels import lora_tuning
 
 from .lora_layout import SlotRanks
-from .model import LlamaForCausalLM
+from .model import LlamaForCausalLM, cublaslt_preferred
 from .step_input import AttentionMetadata, DeviceTokens, LoRAStep, StepInput
 
 
@@ -45,12 +45,8 @@ def preferred_blas_for(tokens: int) -> Iterator[None]:
     if tokens not in CUBLASLT_TOKENS:
         yield
         return
-    before = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
+    with cublaslt_preferred():
         yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(before)
 
 
 def default_buckets(max_num_seqs: int) -> list[int]:

@@ -103,13 +103,23 @@ def _matmul_beside_side_stream(num_tokens: int) -> Iterator[None]:
     if not carveout:
         yield
         return
+    with cublaslt_preferred():
+        torch._C._set_sm_carveout_experimental(carveout)
+        try:
+            yield
+        finally:
+            torch._C._set_sm_carveout_experimental(None)
+
+
+@contextmanager
+def cublaslt_preferred() -> Iterator[None]:
+    """cuBLASLt preferred for the matmuls issued inside (recorded ones too, in a graph capture); torch's choice
+    restored after."""
     before = torch.backends.cuda.preferred_blas_library()
     torch.backends.cuda.preferred_blas_library("cublaslt")
-    torch._C._set_sm_carveout_experimental(carveout)
     try:
         yield
     finally:
-        torch._C._set_sm_carveout_experimental(None)
         torch.backends.cuda.preferred_blas_library(before)
 
 
