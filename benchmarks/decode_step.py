@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_identity import gpu_identity  # noqa: E402
 from benchmarks.hbm import measure_bandwidth  # noqa: E402
 from benchmarks.serving import (  # noqa: E402
-    SHAPES, build_engine, bytes_floor_ms, decode_step_profile, make_adapters, make_model_dir, release_gpu_memory,
+    SHAPES, build_engine, build_lora_engine, bytes_floor_ms, decode_step_profile, lora_requests, make_adapters,
+    make_model_dir, release_gpu_memory,
 )
-from engine import LoRARequest  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 from kernels import lora_tuning  # noqa: E402
 
@@ -96,9 +96,8 @@ def main() -> None:
         del engine
         release_gpu_memory()
     if "lora" in args.cases:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
-                              max_cpu_loras=64)
-        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        engine = build_lora_engine(model_dir, args, 64)
+        requests = lora_requests(paths)
         for request in requests:
             engine.lora_manager.add(request)
         for count in args.adapters:  # 0: base-model rows on the LoRA engine

@@ -21,7 +21,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.serving import SHAPES, finish_prefills, make_adapters, make_model_dir, prompts, sync  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    SHAPES, finish_prefills, lora_requests, make_adapters, make_model_dir, prompts, sync,
+)
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 
@@ -106,7 +108,7 @@ def main() -> None:
     work = Path(args.work)
     model_dir = make_model_dir(work, args.shape)
     paths = make_adapters(work / f"adapters-{args.shape}", model_dir, args.shape, MAX_ADAPTERS, 16)
-    adapters = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    adapters = lora_requests(paths)
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), dtype="bfloat16" if args.device == "cuda" else "float32", device=args.device,
         load_format="dummy",

@@ -514,9 +514,8 @@ def tensor_parallel_comparison(model_dir: Path, paths: list[Path], batch: list[l
     """Workload (c) at each tensor-parallel size, on as many GPUs."""
     RESULTS["tensor_parallel"] = {}
     for size in args.tensor_parallel_sizes:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
-                              max_cpu_loras=64, tensor_parallel_size=size, enforce_eager=args.enforce_eager)
-        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        engine = build_lora_engine(model_dir, args, 64, tensor_parallel_size=size, enforce_eager=args.enforce_eager)
+        requests = lora_requests(paths[:64])
         offline(engine, batch[:8], requests[:8], 4)
         result = offline(engine, batch, [requests[i % 64] for i in range(len(batch))], args.output_len)
         RESULTS["tensor_parallel"][size] = dict(result, enforce_eager=args.enforce_eager)
@@ -557,6 +556,18 @@ def build_engine(model_dir: Path, args, **overrides) -> LLMEngine:
     if args.freeze_heap:
         freeze_startup_heap()
     return engine
+
+
+def lora_requests(paths: list[Path]) -> list[LoRARequest]:
+    """One request per adapter directory, named and numbered alike in every benchmark."""
+    return [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+
+
+def build_lora_engine(model_dir: Path, args, slots: int, **overrides) -> LLMEngine:
+    """`build_engine` with `slots` adapter slots of rank `args.max_lora_rank`, and room for as many adapters in host
+    memory: every adapter a run asks for stays loaded."""
+    return build_engine(model_dir, args, enable_lora=True, max_loras=slots, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=slots, **overrides)
 
 
 def release_gpu_memory() -> None:
@@ -701,9 +712,8 @@ def main() -> None:
 
     # (b), (c) and the sweep: one engine with 64 slots
     if WORKLOAD_ADAPTERS in args.workloads:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
-                              max_cpu_loras=64)
-        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        engine = build_lora_engine(model_dir, args, 64)
+        requests = lora_requests(paths[:64])
         t = time.perf_counter()
         for r in requests:
             engine.lora_manager.add(r)
@@ -749,7 +759,7 @@ def main() -> None:
     if WORKLOAD_ZIPF in args.workloads and not over_budget():
         zipf_engine = dict(enable_lora=True, max_loras=32, max_lora_rank=args.max_lora_rank, max_cpu_loras=128)
         engine = build_engine(model_dir, args, **zipf_engine)
-        population = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+        population = lora_requests(paths)
         picks = zipf_choice(len(batch), len(population), args.zipf_seed)
         picked = set(picks)
         unpicked = [population[i] for i in range(len(population)) if i not in picked] or [None]
@@ -785,9 +795,8 @@ def main() -> None:
         log(f"transformers+peft: {RESULTS['transformers_peft']}")
         save(out)
     if args.sweep and not over_budget():
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=args.max_lora_rank,
-                              max_cpu_loras=64)
-        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        engine = build_lora_engine(model_dir, args, 64)
+        requests = lora_requests(paths[:64])
         RESULTS["sweep"] = {}
         for n in args.sweep:
             if over_budget():

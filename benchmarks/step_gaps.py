@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.serving import (  # noqa: E402
-    SHAPES, build_engine, finish_prefills, make_adapters, make_model_dir, prompts,
+    SHAPES, build_engine, build_lora_engine, finish_prefills, lora_requests, make_adapters, make_model_dir, prompts,
 )
-from engine import LoRARequest, SamplingParams  # noqa: E402
+from engine import SamplingParams  # noqa: E402
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -61,13 +61,14 @@ def main() -> None:
     args = parser.parse_args()
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, args.batch, 8192
     args.device, args.adapter_reader, args.admission_order, args.freeze_heap = "cuda", "threads", "fcfs", False
+    args.max_lora_rank = 16
     shape = "llama3-8b"
     model_dir = make_model_dir(Path(args.work), shape)
     loras = [None] * args.batch
     if args.lora:
-        engine = build_engine(model_dir, args, enable_lora=True, max_loras=64, max_lora_rank=16, max_cpu_loras=64)
+        engine = build_lora_engine(model_dir, args, 64)
         paths = make_adapters(Path(args.work) / f"adapters-{shape}", model_dir, shape, 64, 16)
-        requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths[:64])]
+        requests = lora_requests(paths[:64])
         loras = [requests[i % 64] for i in range(args.batch)]
     else:
         engine = build_engine(model_dir, args)

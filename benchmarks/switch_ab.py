@@ -17,9 +17,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.gpu_identity import gpu_identity  # noqa: E402
 from benchmarks.serving import (  # noqa: E402
-    SHAPES, build_engine, make_adapters, make_model_dir, offline, prompts, release_gpu_memory, warm_up,
+    SHAPES, build_engine, build_lora_engine, lora_requests, make_adapters, make_model_dir, offline, prompts,
+    release_gpu_memory, warm_up,
 )
-from engine import LoRARequest  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 from engine.scheduler import ADMISSION_ORDERS  # noqa: E402
 
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=Path("bench-out"))
     args = parser.parse_args(argv)
     args.freeze_heap = True  # as serving.py is run for BENCHMARKS.md, and as `loraserve serve` does
+    args.max_lora_rank = 16  # the adapters' rank
     return args
 
 
@@ -70,13 +71,12 @@ def main(argv: list[str] | None = None) -> dict:
     record("a", base)
     del engine
     release_gpu_memory()
-    requests = [LoRARequest(f"adapter-{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    requests = lora_requests(paths)
     before = os.environ.get(args.switch)
     try:
         for value in args.values:
             os.environ[args.switch] = value
-            engine = build_engine(model_dir, args, enable_lora=True, max_loras=args.adapters,
-                                  max_lora_rank=16, max_cpu_loras=args.adapters)
+            engine = build_lora_engine(model_dir, args, args.adapters)
             for request in requests:
                 engine.lora_manager.add(request)
             warm_up(engine, batch, requests[:8], args)
