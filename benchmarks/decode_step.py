@@ -5,13 +5,19 @@ LoRA folds its graph handed to the fused ops' tiled variants; `LORASERVE_LORA_DE
 without them.
 
     python3 benchmarks/decode_step.py --out DIR
+    python3 benchmarks/decode_step.py --switch LORASERVE_LORA_SIDE_CARVEOUT --values 4 8 4 8 --out DIR
+
+With `--switch`, each case runs once per value on an engine built (and run) under it, in the order given: an A/B
+of a switch read at graph capture, in one process on one device.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,11 +28,12 @@ from benchmarks.serving import (  # noqa: E402
     SHAPES, build_engine, build_lora_engine, bytes_floor_ms, decode_step_profile, lora_requests, make_adapters,
     make_model_dir, release_gpu_memory,
 )
+from benchmarks.switch_ab import environment_value  # noqa: E402
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 from kernels import lora_tuning  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="llama3-8b")
     parser.add_argument("--batches", type=int, nargs="+", default=[64, 128])
@@ -46,11 +53,16 @@ def main() -> None:
                         help="write each row's kernels by GPU time (one engine step) to DIR/profile_*.txt")
     parser.add_argument("--freeze-heap", action="store_true",
                         help="freeze each engine's start-up heap out of the collector's reach, as the server does")
+    parser.add_argument("--switch", help="an environment variable each case's engine is built and run under, once per "
+                                             "--values value")
+    parser.add_argument("--values", nargs="+", default=[], help="the switch's values, in this order")
     parser.add_argument("--segments-from", type=int, nargs=2, metavar=("SPREAD", "SHARED"),
                         help="decode graphs run the LoRA kernels in segments from this many rows at every rank, when the "
                              "rows are spread over many adapters and when they share few (lora_tuning.SEGMENTS_FROM "
                              "otherwise; LORASERVE_LORA_DECODE_SEGMENTS=0 turns them off)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if bool(args.switch) != bool(args.values):
+        parser.error("--switch and --values go together")
     if args.segments_from is not None:
         lora_tuning.SEGMENTS_FROM = dict.fromkeys(lora_tuning.SEGMENTS_FROM, lora_tuning.SegmentsFrom(*args.segments_from))
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
@@ -75,7 +87,8 @@ def main() -> None:
             # a first run warms the step as serving's runs do (first replays, the sampler's first calls); its
             # figures are dropped
             decode_step_profile(engine, batch, args.prompt_len, loras, vocab)
-            profile_to = args.out / f"profile_{label.replace(' ', '_')}_b{batch}.txt" if args.profile else None
+            name = re.sub("[^A-Za-z0-9]+", "_", label)  # names `device` brings back
+            profile_to = args.out / f"profile_{name}_b{batch}.txt" if args.profile else None
             row = decode_step_profile(engine, batch, args.prompt_len, loras, vocab, profile_to)
             distinct = len({lora.lora_int_id for lora in loras if lora is not None})
             row["floor_ms"] = bytes_floor_ms(engine, batch, args.prompt_len + 32, distinct, bandwidth,
@@ -90,19 +103,26 @@ def main() -> None:
                   f"({time.perf_counter() - t:.0f} s)", flush=True)
             (args.out / "decode_step.json").write_text(json.dumps(results, indent=1))
 
-    if "base" in args.cases:
-        engine = build_engine(model_dir, args)
-        measure("base", engine, lambda b: [None] * b)
-        del engine
-        release_gpu_memory()
-    if "lora" in args.cases:
-        engine = build_lora_engine(model_dir, args, 64)
-        requests = lora_requests(paths)
-        for request in requests:
-            engine.lora_manager.add(request)
-        for count in args.adapters:  # 0: base-model rows on the LoRA engine
-            measure(f"{count} adapters", engine,
-                    lambda b, count=count: [requests[i % count] if count else None for i in range(b)])
+    requests = lora_requests(paths)
+    for value in args.values or [None]:
+        switched = environment_value(args.switch, value) if args.switch else nullcontext()
+        suffix = f" {args.switch}={value}" if args.switch else ""
+        with switched:
+            if "base" in args.cases:
+                engine = build_engine(model_dir, args)
+                measure(f"base{suffix}", engine, lambda b: [None] * b)
+                del engine
+                release_gpu_memory()
+            if "lora" in args.cases:
+                engine = build_lora_engine(model_dir, args, 64)
+                for request in requests:
+                    engine.lora_manager.add(request)
+                for count in args.adapters:  # 0: base-model rows on the LoRA engine
+                    measure(f"{count} adapters{suffix}", engine,
+                            lambda b, count=count: [requests[i % count] if count else None for i in range(b)])
+                del engine
+                release_gpu_memory()
+    return results
 
 
 if __name__ == "__main__":

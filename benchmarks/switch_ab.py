@@ -11,6 +11,8 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -22,6 +24,20 @@ from benchmarks.serving import (  # noqa: E402
 )
 from engine.config import CUDAGRAPH_MODES  # noqa: E402
 from engine.scheduler import ADMISSION_ORDERS  # noqa: E402
+
+
+@contextmanager
+def environment_value(name: str, value: str) -> Iterator[None]:
+    """`name` set to `value` inside; after, as it was before (unset if it was)."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,24 +88,17 @@ def main(argv: list[str] | None = None) -> dict:
     del engine
     release_gpu_memory()
     requests = lora_requests(paths)
-    before = os.environ.get(args.switch)
-    try:
-        for value in args.values:
-            os.environ[args.switch] = value
+    for value in args.values:
+        with environment_value(args.switch, value):  # through the run: some switches are read at each step
             engine = build_lora_engine(model_dir, args, args.adapters)
             for request in requests:
                 engine.lora_manager.add(request)
             warm_up(engine, batch, requests[:8], args)
             run = offline(engine, batch, [requests[i % len(requests)] for i in range(len(batch))], args.output_len)
-            run["c_over_a"] = run["tok_per_s"] / base["tok_per_s"]
-            record(f"c {args.switch}={value}", run)
-            del engine
-            release_gpu_memory()
-    finally:
-        if before is None:
-            os.environ.pop(args.switch, None)
-        else:
-            os.environ[args.switch] = before
+        run["c_over_a"] = run["tok_per_s"] / base["tok_per_s"]
+        record(f"c {args.switch}={value}", run)
+        del engine
+        release_gpu_memory()
     return results
 
 
