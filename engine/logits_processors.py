@@ -7,8 +7,6 @@ placeholder on the host) is read on the device, so nothing here waits for the de
 from __future__ import annotations
 
 import array
-import itertools
-from collections.abc import Sequence
 
 import torch
 

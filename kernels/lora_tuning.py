@@ -181,6 +181,22 @@ def folded_ops(path: str) -> frozenset[str]:
     return FOLDED_OPS[path] if fold_expand() else frozenset()
 
 
+
+# On the segment path the tiled SiLU·up can also take the down projection's shrink: it adds each stored product
+# chunk times the slot's A columns into down's h, so down's input (8192 x 14336 bf16 on Llama-3-8B, 235 MB a
+# layer) is not read again for a shrink of its own (`fused.silu_and_mul_and_shrink`). Not yet timed on an H200,
+# so off by default; `LORASERVE_LORA_SILU_SHRINK=1|0` overrides.
+SILU_SHRINK = False
+SILU_SHRINK_ENV = "LORASERVE_LORA_SILU_SHRINK"
+
+
+def folded_shrinks(path: str) -> frozenset[str]:
+    """The fused ops that also take the shrink of the projection that reads their output, in a step on this path:
+    silu_and_mul on the segment path, where it folds gate/up's expand, when SILU_SHRINK (or its switch) says so."""
+    if path != "sgmv" or "silu_and_mul" not in folded_ops(path):
+        return frozenset()
+    return frozenset({"silu_and_mul"}) if env_switch(SILU_SHRINK_ENV, "1", "0", SILU_SHRINK) else frozenset()
+
 # On the per-token path the SiLU·up fold reads the token's gate/up B ([28672, 16] bf16, 917 KB on Llama-3-8B) once
 # per token, L2-bound when many rows share few adapters; the tiled variant reads it once per 16-row tile of
 # same-slot tokens. H200, Llama-3-8B gate/up at rank 16, us per-token fold against the tiled variant (chunk 128,

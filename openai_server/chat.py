@@ -10,7 +10,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from .chat_template import render_chat
-from .errors import bad_request
 from .generation import Generation, abort_all, merge, start_for_client, usage, usage_of
 from .httputil import client_gone, json_unless_disconnected, parse_body, sse_response, with_openai_framing
 from .protocol import ChatCompletionRequest, TokenizeRequest

@@ -159,10 +159,10 @@ def test_a_generate_cancelled_while_its_add_waits_leaves_the_engine_serving(tiny
     engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", device="cpu"))
     try:
         async def main():
+            _slow_steps(engine, 0.05)  # from the first step, so the busy request still runs when the victim comes
             busy = asyncio.create_task(_collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=30,
                                                                                  ignore_eos=True)))
             await asyncio.sleep(0.2)
-            _slow_steps(engine, 0.05)
             victim = asyncio.create_task(_collect(engine, "Hi", request_id="victim"))
             await asyncio.sleep(0)  # generate() now waits for its queued add
             victim.cancel()
@@ -190,11 +190,10 @@ def test_shutdown_fails_the_calls_still_queued(tiny_llama):
             outcome["error"] = str(exc)
 
     async def main():
+        _slow_steps(engine, 0.3)  # from the first step: 200 fast steps could end the stream before the shutdown
         stream = asyncio.create_task(_collect(engine, "Hello", SamplingParams(temperature=0, max_tokens=200,
                                                                                ignore_eos=True)))
-        await asyncio.sleep(0.2)
-        _slow_steps(engine, 0.3)
-        await asyncio.sleep(0.35)
+        await asyncio.sleep(0.55)
         caller = threading.Thread(target=stats_from_another_thread)
         caller.start()
         await asyncio.sleep(0.05)  # its call waits behind a slow step
