@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
-# One device call that measures tuning candidates (~9 minutes on an H200): the GPU tests of the kernels,
-# then the decode step (base and 64 adapters, batches 64 and 128) and the LoRA kernels' layer table at
-# rank 16 with programmatic dependent launch off and on (LORASERVE_PDL=0/1). The skinny GEMM's chain
-# (`benchmarks/skinny_gemm.py`) runs on its own.
-# Everything lands in $OUT (tuning.log and one JSON per benchmark and setting).
+# One device call that measures the tuning candidate still off by default (about 9 minutes on an H200): the down
+# projection's LoRA shrink taken by the tiled SiLU·up (LORASERVE_LORA_SILU_SHRINK). First its kernel tests,
+# compiled for the GPU; then the fused launch against the tiled SiLU·up followed by the SGMV shrink, at 8192 and
+# 2048 tokens, per launch shape (`fused_ops.py --ops silu_and_mul_shrink`); then serving's (c) against (a) with
+# the switch off and on, in the order 0 1 0 1 (`switch_ab.py`), in the time left.
+# Everything lands in $OUT (tuning.log, fused_ops.json, switch_ab.json).
 #
 #     bash benchmarks/h200_tuning.sh            # through `device`: run(command="bash benchmarks/h200_tuning.sh")
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench-out}
-mkdir -p "$OUT/pdl0" "$OUT/pdl1"
+mkdir -p "$OUT"
 log="$OUT/tuning.log"
 began=$SECONDS
-timeout 200 python3 -m pytest -q -rf -m gpu -p no:cacheprovider tests/kernels tests/engine/test_cuda.py -k "not embedded" \
-    2>&1 | tail -12 | tee "$log"
-for pdl in 0 1; do
-    LORASERVE_PDL=$pdl timeout 150 python3 benchmarks/decode_step.py --batches 64 128 --out "$OUT/pdl$pdl" 2>&1 \
-        | grep -v "it/s\]" | tail -4 | sed "s/^/pdl=$pdl /" >> "$log"
-    LORASERVE_PDL=$pdl timeout 70 python3 benchmarks/lora_kernels.py --ranks 16 --budget-s 25 --out "$OUT/pdl$pdl" 2>&1 \
-        | grep "^r16" | head -12 | sed "s/^/pdl=$pdl /" >> "$log"
-    rm -f "$OUT/pdl$pdl/lora_kernels.md"  # the JSON has the same rows
-done
-tail -c 11000 "$log"
+timeout 150 python3 -m pytest -q -rf -p no:cacheprovider tests/kernels/test_silu_shrink.py 2>&1 | tail -5 | tee "$log"
+timeout 170 python3 benchmarks/fused_ops.py --lora-only --tokens 8192 2048 --ops silu_and_mul_shrink --out "$OUT" \
+    2>&1 | tee -a "$log" | grep -E "^op|\*"
+left=$(( 570 - (SECONDS - began) ))
+timeout $(( left > 60 ? left : 60 )) python3 benchmarks/switch_ab.py --switch LORASERVE_LORA_SILU_SHRINK \
+    --values 0 1 0 1 --out "$OUT" 2>&1 | grep -E "^(a|c)[ :]" | tee -a "$log"
