@@ -42,7 +42,7 @@ class LoRAStep:
     slots at, narrower than the slots when every adapter of the step fits it (`lora_tuning.rank_width`: the
     launches then take that rank's shapes); None, the slots' whole width. shrink_folds: the fused ops of fold_into
     that also take the shrink of the projection reading their output (`lora_tuning.folded_shrinks`: silu_and_mul
-    on the segment path), which then skips its own."""
+    where it is tiled), which then skips its own."""
 
     meta: LoRAMetadata  # the tokens grouped by adapter slot
     side_stream: torch.cuda.Stream | None = None

@@ -182,18 +182,22 @@ def folded_ops(path: str) -> frozenset[str]:
 
 
 
-# On the segment path the tiled SiLU·up can also take the down projection's shrink: it adds each stored product
-# chunk times the slot's A columns into down's h, so down's input (8192 x 14336 bf16 on Llama-3-8B, 235 MB a
-# layer) is not read again for a shrink of its own (`fused.silu_and_mul_and_shrink`). Not yet timed on an H200,
-# so off by default; `LORASERVE_LORA_SILU_SHRINK=1|0` overrides.
+# The tiled SiLU·up can also take the down projection's shrink: it adds each stored product chunk times the slot's
+# A columns into down's h, so down's input (8192 x 14336 bf16 on Llama-3-8B, 235 MB a layer) is not read again
+# for a shrink of its own (`fused.silu_and_mul_and_shrink`). It runs the tiled variant on the segment path, and in
+# per-token steps that tile SiLU·up (`tiled_decode_ops`), where down's shrink would otherwise run beside its
+# matmul on the side stream. Not yet timed on an H200, so off by default; `LORASERVE_LORA_SILU_SHRINK=1|0`
+# overrides.
 SILU_SHRINK = False
 SILU_SHRINK_ENV = "LORASERVE_LORA_SILU_SHRINK"
 
 
-def folded_shrinks(path: str) -> frozenset[str]:
-    """The fused ops that also take the shrink of the projection that reads their output, in a step on this path:
-    silu_and_mul on the segment path, where it folds gate/up's expand, when SILU_SHRINK (or its switch) says so."""
-    if path != "sgmv" or "silu_and_mul" not in folded_ops(path):
+def folded_shrinks(path: str, tiled_folds: frozenset[str] = frozenset()) -> frozenset[str]:
+    """The fused ops that also take the shrink of the projection that reads their output, in a step on this path
+    whose per-token folds `tiled_folds` take the tiled variants: silu_and_mul where it folds gate/up's expand in
+    its tiled variant, when SILU_SHRINK (or its switch) says so."""
+    tiled = path == "sgmv" or "silu_and_mul" in tiled_folds
+    if not tiled or "silu_and_mul" not in folded_ops(path):
         return frozenset()
     return frozenset({"silu_and_mul"}) if env_switch(SILU_SHRINK_ENV, "1", "0", SILU_SHRINK) else frozenset()
 

@@ -53,10 +53,11 @@ def test_the_down_shrink_stays_out_of_silu_by_default(monkeypatch):
     assert lora_tuning.folded_shrinks("sgmv") == ({"silu_and_mul"} if lora_tuning.SILU_SHRINK else frozenset())
 
 
-def test_switched_on_silu_takes_the_down_shrink_on_the_segment_path_only(monkeypatch):
+def test_switched_on_silu_takes_the_down_shrink_where_it_runs_tiled(monkeypatch):
     monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
     monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "1")
     assert lora_tuning.folded_shrinks("sgmv") == {"silu_and_mul"}
+    assert lora_tuning.folded_shrinks("bgmv", frozenset({"silu_and_mul"})) == {"silu_and_mul"}
     assert lora_tuning.folded_shrinks("bgmv") == frozenset()
 
 
