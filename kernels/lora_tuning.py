@@ -6,8 +6,8 @@ Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucke
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
 (`choose_path` by the token count, `step_path` by the rank and the rows' adapters too), which expands steps fold
-into the fused op after them (`folded_ops`), and which of those folds a per-token step hands to the ops' tiled
-variants (`tiled_decode_ops`).
+into the fused op after them (`folded_ops`), which of those folds a per-token step hands to the ops' tiled
+variants (`tiled_decode_ops`), and which fused ops also take the next projection's shrink (`folded_shrinks`).
 """
 
 from __future__ import annotations
@@ -181,7 +181,6 @@ def folded_ops(path: str) -> frozenset[str]:
     return FOLDED_OPS[path] if fold_expand() else frozenset()
 
 
-
 # The tiled SiLU·up can also take the down projection's shrink: it adds each stored product chunk times the slot's
 # A columns into down's h, so down's input (8192 x 14336 bf16 on Llama-3-8B, 235 MB a layer) is not read again
 # for a shrink of its own (`fused.silu_and_mul_and_shrink`). It runs the tiled variant on the segment path, and in
@@ -200,6 +199,7 @@ def folded_shrinks(path: str, tiled_folds: frozenset[str] = frozenset()) -> froz
     if not tiled or "silu_and_mul" not in folded_ops(path):
         return frozenset()
     return frozenset({"silu_and_mul"}) if env_switch(SILU_SHRINK_ENV, "1", "0", SILU_SHRINK) else frozenset()
+
 
 # On the per-token path the SiLU·up fold reads the token's gate/up B ([28672, 16] bf16, 917 KB on Llama-3-8B) once
 # per token, L2-bound when many rows share few adapters; the tiled variant reads it once per 16-row tile of
