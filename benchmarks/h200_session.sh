@@ -29,7 +29,7 @@ if [ "${1:-}" = kernels ]; then
     exit 0
 fi
 began=$SECONDS
-timeout 390 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kernels \
+timeout 450 python3 -m pytest -q -m gpu -p no:cacheprovider tests/engine tests/kernels \
     --ignore=tests/engine/test_tensor_parallel.py 2>&1 | tail -5 | tee "$OUT/session.log"
 left=$(( 570 - (SECONDS - began) ))
 python3 benchmarks/serving.py --shape llama3-8b --out "$OUT" --budget-s $(( left > 160 ? left - 80 : 80 )) \
