@@ -28,6 +28,8 @@ MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
 # the widest rank silu_and_mul takes the next projection's shrink at: its A^T chunk stays in registers for the walk
 MAX_SHRINK_RANK = 64
+# the K splits of that shrink's dot (`_split_k_dot`), each at least 16 columns of the chunk
+SHRINK_SPLIT = 8
 ROW_STEP = 16  # rows a program of silu_and_mul or rotary_and_write_kv takes at a time as it walks its part of a tile
 
 
@@ -179,10 +181,22 @@ def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b
 
 
 @triton.jit
+def _split_k_dot(x, y, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
+    """float32 x [M, K] @ y [K, N] as SPLIT batched dots over K's parts, summed: each dot's operands then span
+    K / SPLIT columns, not K, in every warp (one dot of M = 16 rows holds all of x and y in each of its warps: the
+    tiled SiLU·up with down's shrink took 172 registers a thread against 80 split 8 ways, sm_90)."""
+    if SPLIT == 1:
+        return dot_acc(tl.zeros([x.shape[0], y.shape[1]], dtype=tl.float32), x, y, DOT_F32)
+    xs = tl.permute(tl.reshape(x, [x.shape[0], SPLIT, x.shape[1] // SPLIT]), [1, 0, 2])
+    ys = tl.reshape(y, [SPLIT, y.shape[0] // SPLIT, y.shape[1]])
+    return tl.sum(dot_acc(tl.zeros([SPLIT, x.shape[0], y.shape[1]], dtype=tl.float32), xs, ys, DOT_F32), axis=0)
+
+
+@triton.jit
 def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start, row0, end,
                     cols, col_mask, bg, bu, b_gate, b_up, stride_bn: tl.constexpr, R: tl.constexpr, rank,
                     STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr,
-                    a_t, hs_ptr, stride_hst, ranks_s, SHRINK: tl.constexpr):
+                    a_t, hs_ptr, stride_hst, ranks_s, SHRINK: tl.constexpr, SHRINK_SPLIT: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile: gate and up plus their deltas, the product stored. B^T's
     chunks `bg` and `bu` come loaded when the rank fits one rank block; otherwise each step reads B. With SHRINK, the
     stored product times `a_t` (the next projection's A^T rows of these columns) is added to its h rows at
@@ -196,8 +210,8 @@ def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, s
     product = silu_times(gate, up)
     tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], product, mask=mask)
     if SHRINK:
-        part = dot_acc(tl.zeros([STEP, a_t.shape[1]], dtype=tl.float32), product, a_t, DOT_F32)
-        tl.atomic_add(hs_ptr + rows[:, None] * stride_hst + ranks_s[None, :], part,
+        part = _split_k_dot(product, a_t, SHRINK_SPLIT, DOT_F32)
+        tl.atomic_add(hs_ptr + rows[:, None] * stride_hst + ranks_s[None, :], part, sem="relaxed",
                       mask=in_use[:, None] & (ranks_s < R)[None, :])
 
 
@@ -207,7 +221,7 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
                                stride_bn: tl.constexpr, stride_hn, stride_ht, a_ptr, stride_as, stride_ar, hs_ptr,
                                stride_hst, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
                                STEP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr,
-                               DOT_F32: tl.constexpr, SHRINK: tl.constexpr):
+                               DOT_F32: tl.constexpr, SHRINK: tl.constexpr, SHRINK_SPLIT: tl.constexpr):
     """Program (tile, chunk, part) walks its part's ROWS rows STEP at a time (`_silu_rows_step`), the slot's B chunks
     loaded once for all steps: B's reads from L2 shrink by ROWS / STEP (H200, 8192 tokens: 337 -> 221 us). With
     SHRINK, the slot's A rows of its columns too (below the slot's rank: past it A is padding and h stays zero)."""
@@ -230,11 +244,11 @@ def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b
                           mask=col_mask[:, None] & a_rows[None, :], other=0.0)
         for row0 in range(first, end, STEP):
             _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, stride_bn, R, rank, STEP,
-                            BLOCK_R, DOT_F32, True, a_t, hs_ptr, stride_hst, ranks_s, SHRINK)
+                            BLOCK_R, DOT_F32, True, a_t, hs_ptr, stride_hst, ranks_s, SHRINK, SHRINK_SPLIT)
     else:  # base tokens: their h rows of the next projection stay zero
         for row0 in range(first, end, STEP):
             _silu_rows_step(*step_args, row0, end, cols, col_mask, None, None, None, None, stride_bn, R, rank, STEP,
-                            BLOCK_R, DOT_F32, False, None, hs_ptr, stride_hst, ranks_s, False)
+                            BLOCK_R, DOT_F32, False, None, hs_ptr, stride_hst, ranks_s, False, 1)
 
 
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None,
@@ -262,10 +276,11 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
     config = config or LORA_TILE_CONFIGS["silu_and_mul"]
     chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
     grid = (lora.meta.num_tiles, triton.cdiv(n, chunk), _row_blocks(lora, config))
+    shrink = dict(SHRINK=shrink_into is not None, BLOCK_RS=max(MIN_BLOCK_R, triton.next_power_of_2(lora.rank)),
+                  SHRINK_SPLIT=max(1, min(SHRINK_SPLIT, chunk // MIN_BLOCK_R)))
     _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
                                      a, a.stride(0), a.stride(1), h_next, h_next.stride(0), CHUNK=chunk,
-                                     STEP=ROW_STEP, BLOCK_RS=max(MIN_BLOCK_R, triton.next_power_of_2(lora.rank)),
-                                     SHRINK=shrink_into is not None, **_launch(lora, config))
+                                     STEP=ROW_STEP, **shrink, **_launch(lora, config))
     return out
 
 
