@@ -16,9 +16,9 @@ and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step or
 rank block, warps, rows per program, `mtile` for the whole tile). The kernel's default is marked `*`. The check is the
 relative difference from expand-then-op (zero up to summation order). The `silu_and_mul_shrink+lora` rows (segment
 path) time the tiled SiLU·up that also takes the down projection's shrink against the tiled SiLU·up followed by
-the SGMV shrink. `--slot-rank N` puts the adapters in slots
-of max rank N, zero-padded, and gives the kernels the slots' ranks (they skip the padding); `--ignore-slot-ranks`
-gives none (they read it, as before slot ranks).
+the SGMV shrink, per launch shape and, at the default one, per K split of its dot (`shrink_split`). `--slot-rank
+N` puts the adapters in slots of max rank N, zero-padded, and gives the kernels the slots' ranks (they skip the
+padding); `--ignore-slot-ranks` gives none (they read it, as before slot ranks).
 
     python benchmarks/fused_ops.py [--tokens 64 128 8192] [--lora-only] [--ops silu_and_mul ...] [--out DIR]
     python benchmarks/fused_ops.py --lora-only --rank 16 --slot-rank 64 [--ignore-slot-ranks]
@@ -31,7 +31,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -68,6 +68,7 @@ EXPAND_THEN_OP = "expand + op"
 SILU_THEN_SHRINK = "tiled op + SGMV shrink"
 ADAPTERS, RANK = 64, 16
 SEGMENT_ADAPTERS = (8, 64)  # adapter counts of the tiled variants' rows
+SHRINK_SPLITS = (1, 2, 4, 8)  # the K splits of the silu_and_mul_shrink rows' dot, at the default launch shape
 LaunchConfig = LoRAOpConfig | LoRATileConfig  # the launch shape of a per-token or a tiled variant
 OPS = ["add_rms_norm", "silu_and_mul", "silu_and_mul_shrink", "rotary_and_write_kv", "greedy"]
 
@@ -364,9 +365,12 @@ def _silu_shrink_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
     def check(config: LoRATileConfig) -> float:
         return max(relative_error(a, b) for a, b in zip(fused(config), silu_then_shrink()))
 
+    default = LORA_TILE_CONFIGS["silu_and_mul"]
+    splits = [(f"silu_and_mul+lora a{adapters} tile default split{split}", replace(default, shrink_split=split))
+              for split in SHRINK_SPLITS if split != default.shrink_split]
     return {name.replace("silu_and_mul+", "silu_and_mul_shrink+"): Case(SILU_THEN_SHRINK, silu_then_shrink,
                                                                         partial(fused, config), partial(check, config))
-            for name, config in _tile_variants("silu_and_mul", adapters)}
+            for name, config in _tile_variants("silu_and_mul", adapters) + splits}
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -28,8 +28,6 @@ MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
 # the widest rank silu_and_mul takes the next projection's shrink at: its A^T chunk stays in registers for the walk
 MAX_SHRINK_RANK = 64
-# the K splits of that shrink's dot (`_split_k_dot`), each at least 16 columns of the chunk
-SHRINK_SPLIT = 8
 ROW_STEP = 16  # rows a program of silu_and_mul or rotary_and_write_kv takes at a time as it walks its part of a tile
 
 
@@ -39,16 +37,19 @@ class LoRATileConfig:
     (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16;
     larger ranks loop); `rows`: token rows per program, a part of a tile (0: the whole tile), for more programs
     when there are few tiles (silu_and_mul and rotary_and_write_kv walk them `ROW_STEP` at a time on B loaded once);
-    `num_stages`: Triton's software pipelining depth."""
+    `num_stages`: Triton's software pipelining depth; `shrink_split`: the K splits of silu_and_mul's dot for the next
+    projection's shrink (`_split_k_dot`; at most the chunk's 16-column parts). sm_90, 8192 tokens, chunk 128: 172
+    registers a thread unsplit, 80 split 8 ways (`benchmarks/sm90_audit.py`)."""
 
     chunk: int
     block_r: int
     num_warps: int
     rows: int = 0
     num_stages: int = 2
+    shrink_split: int = 8
 
     def __post_init__(self) -> None:
-        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps"))
+        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps", "shrink_split"))
         if self.rows and (self.rows < 16 or self.rows & (self.rows - 1)):
             raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
 
@@ -183,8 +184,8 @@ def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b
 @triton.jit
 def _split_k_dot(x, y, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
     """float32 x [M, K] @ y [K, N] as SPLIT batched dots over K's parts, summed: each dot's operands then span
-    K / SPLIT columns, not K, in every warp (one dot of M = 16 rows holds all of x and y in each of its warps: the
-    tiled SiLU·up with down's shrink took 172 registers a thread against 80 split 8 ways, sm_90)."""
+    K / SPLIT columns, not K, in every warp (one dot of M = 16 rows holds all of x and y in each of its warps;
+    `LoRATileConfig.shrink_split`)."""
     if SPLIT == 1:
         return dot_acc(tl.zeros([x.shape[0], y.shape[1]], dtype=tl.float32), x, y, DOT_F32)
     xs = tl.permute(tl.reshape(x, [x.shape[0], SPLIT, x.shape[1] // SPLIT]), [1, 0, 2])
@@ -277,7 +278,7 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
     chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
     grid = (lora.meta.num_tiles, triton.cdiv(n, chunk), _row_blocks(lora, config))
     shrink = dict(SHRINK=shrink_into is not None, BLOCK_RS=max(MIN_BLOCK_R, triton.next_power_of_2(lora.rank)),
-                  SHRINK_SPLIT=max(1, min(SHRINK_SPLIT, chunk // MIN_BLOCK_R)))
+                  SHRINK_SPLIT=max(1, min(config.shrink_split, chunk // MIN_BLOCK_R)))
     _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
                                      a, a.stride(0), a.stride(1), h_next, h_next.stride(0), CHUNK=chunk,
                                      STEP=ROW_STEP, **shrink, **_launch(lora, config))
