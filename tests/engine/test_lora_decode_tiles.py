@@ -77,6 +77,15 @@ def _adapters(model_dir: Path, root: Path) -> list[LoRARequest]:
             for seed in (1, 2)]
 
 
+def _eager_llm(model_dir: Path, adapters: list[LoRARequest]) -> LLM:
+    """A float32 engine of eager steps with the adapters already read: the first step then admits every request,
+    so a decode step holds all rows."""
+    llm = LLM(str(model_dir), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
+              max_lora_rank=8)
+    for lora in adapters:
+        llm.engine.lora_manager.add(lora)
+    return llm
+
 def _record_decode_tiles(monkeypatch, llm: LLM) -> list[tuple[int, frozenset[str]]]:
     """The rows and the tiled folds of each decode-only step with adapter rows that the runner builds."""
     seen: list[tuple[int, frozenset[str]]] = []
@@ -104,10 +113,7 @@ def test_decode_steps_of_many_rows_on_few_adapters_tile_and_generate_the_untiled
     tokens = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, switch)
-        llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
-                  max_lora_rank=8)
-        for lora in adapters:  # read now: the first step admits every request, so a decode step holds all rows
-            llm.engine.lora_manager.add(lora)
+        llm = _eager_llm(tiny_llama, adapters)
         decode_tiles = _record_decode_tiles(monkeypatch, llm)
         launches.clear()
         tokens[switch] = _greedy_tokens(llm, adapters)
@@ -137,10 +143,7 @@ def test_decode_steps_that_tile_take_the_down_shrink_in_silu_and_generate_the_sa
     tokens, per_token_shrinks = {}, {}
     for switch in ("1", "0"):
         monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, switch)
-        llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
-                  max_lora_rank=8)
-        for lora in adapters:  # read now: the first step admits every request, so a decode step holds all rows
-            llm.engine.lora_manager.add(lora)
+        llm = _eager_llm(tiny_llama, adapters)
         silu.clear()
         shrinks.clear()
         tokens[switch] = _greedy_tokens(llm, adapters)
