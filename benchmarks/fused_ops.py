@@ -344,7 +344,6 @@ def _folded_cases(inp: Inputs, adapters: int, variants: Callable[[str], list[tup
             for op, baseline, run, check in ops for name, config in variants(op)}
 
 
-
 def _silu_shrink_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
     """'silu_and_mul_shrink+lora a<adapters> tile <launch shape>': the tiled SiLU·up with gate/up's delta folded in
     and down's shrink taken from its output (`silu_and_mul_and_shrink`), against the tiled SiLU·up followed by the
@@ -371,6 +370,7 @@ def _silu_shrink_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
     return {name.replace("silu_and_mul+", "silu_and_mul_shrink+"): Case(SILU_THEN_SHRINK, silu_then_shrink,
                                                                         partial(fused, config), partial(check, config))
             for name, config in _tile_variants("silu_and_mul", adapters) + splits}
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -39,7 +39,6 @@ def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-
 def _many_rows_on_cpu_and_cuda(tiny_llama, loras, rows: int) -> tuple[list, list]:
     """Greedy float32 tokens of `rows` requests (base rows and each adapter's in turn), decoded together up to
     `rows` at a time, on the CPU and on CUDA with graphs."""
@@ -50,6 +49,7 @@ def _many_rows_on_cpu_and_cuda(tiny_llama, loras, rows: int) -> tuple[list, list
     return tuple(_tokens(LLM(str(tiny_llama), device=device, **kwargs).generate(prompts, params,
                                                                                  lora_request=requests, use_tqdm=False))
                  for device in ("cpu", "cuda"))
+
 
 def test_cuda_float32_with_graphs_matches_the_cpu(tiny_llama, loras):
     kwargs = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
@@ -69,7 +69,6 @@ def test_decode_steps_of_512_rows_match_the_cpu_in_float32(tiny_llama, loras):
     assert cuda == cpu
 
 
-
 def test_segment_steps_with_the_down_shrink_in_silu_match_the_cpu_in_float32(tiny_llama, loras, monkeypatch):
     """`LORASERVE_LORA_SILU_SHRINK=1`: the prefills' piecewise graphs and the decode graphs of 129 rows and more
     (the segment path) take down's shrink in the tiled SiLU·up, and decode as the CPU does."""
@@ -80,6 +79,7 @@ def test_segment_steps_with_the_down_shrink_in_silu_match_the_cpu_in_float32(tin
     cpu, cuda = _many_rows_on_cpu_and_cuda(tiny_llama, loras, 256)
     assert any(call.kwargs["SHRINK"] for call in launches)
     assert cuda == cpu
+
 
 def test_triton_lora_kernels_agree_with_the_torch_path_end_to_end(tiny_llama, loras, monkeypatch):
     kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16,

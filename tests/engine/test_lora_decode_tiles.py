@@ -86,6 +86,7 @@ def _eager_llm(model_dir: Path, adapters: list[LoRARequest]) -> LLM:
         llm.engine.lora_manager.add(lora)
     return llm
 
+
 def _record_decode_tiles(monkeypatch, llm: LLM) -> list[tuple[int, frozenset[str]]]:
     """The rows and the tiled folds of each decode-only step with adapter rows that the runner builds."""
     seen: list[tuple[int, frozenset[str]]] = []

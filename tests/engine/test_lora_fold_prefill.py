@@ -37,12 +37,12 @@ def _greedy_tokens(model_dir: Path, loras: list[LoRARequest | None]) -> list[lis
     return [output.outputs[0].token_ids for output in outputs]
 
 
-
 def _loras(model_dir: Path, root: Path) -> list[LoRARequest | None]:
     """The prompts' adapters: two of rank 8, and the base model for one prompt."""
     adapters = [LoRARequest(f"a{seed}", seed, str(make_peft_adapter(model_dir, root / f"a{seed}", r=8, seed=seed)))
                 for seed in (1, 2)]
     return [adapters[0], None, adapters[1], adapters[0]]
+
 
 @pytest.mark.skipif(not TRITON_HERE, reason="runs in a fresh interpreter (the next test)")
 def test_a_folded_prefill_on_the_segment_path_decodes_as_the_unfolded_one(tiny_llama, tmp_path, monkeypatch):

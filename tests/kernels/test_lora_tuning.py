@@ -46,7 +46,6 @@ def test_no_op_folds_when_the_fold_is_off(monkeypatch):
     assert lora_tuning.folded_ops("bgmv") == lora_tuning.folded_ops("sgmv") == frozenset()
 
 
-
 def test_the_down_shrink_stays_out_of_silu_by_default(monkeypatch):
     monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
     monkeypatch.delenv(lora_tuning.SILU_SHRINK_ENV, raising=False)
@@ -71,6 +70,7 @@ def test_a_silu_shrink_switch_of_another_value_is_refused(monkeypatch):
     monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "yes")
     with pytest.raises(ValueError, match=lora_tuning.SILU_SHRINK_ENV):
         lora_tuning.folded_shrinks("sgmv")
+
 
 @pytest.fixture
 def segments_on(monkeypatch):
