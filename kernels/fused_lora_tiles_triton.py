@@ -26,8 +26,6 @@ from kernels.lora_triton import (
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
-# the widest rank silu_and_mul takes the next projection's shrink at: its A^T chunk stays in registers for the walk
-MAX_SHRINK_RANK = 64
 ROW_STEP = 16  # rows a program of silu_and_mul or rotary_and_write_kv takes at a time as it walks its part of a tile
 
 
@@ -257,7 +255,7 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
                  shrink_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """silu(gate + delta) * (up + delta) for gate_up [T, 2N], into `out` [T, N] when given: a grid of (tile,
     chunk of `config.chunk` columns, part of the tile); gate_up stays as it is. With `shrink_into` (the next
-    projection's A slot stack [S, R, N], R the delta's rank and at most MAX_SHRINK_RANK; its h, float32 [T, R] and
+    projection's A slot stack [S, R, N], R the delta's rank and at most lora_tuning.SILU_SHRINK_MAX_RANK; its h, float32 [T, R] and
     zero), that projection's shrink of the product as it is stored is added to h, each column chunk's part in
     turn (`lora_shrink_slices`'s sum in another order)."""
     rows, width = gate_up.shape
@@ -266,8 +264,8 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConf
         out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
     if shrink_into is not None:
         a, h_next = shrink_into
-        if tuple(a.shape[1:]) != (lora.rank, n) or lora.rank > MAX_SHRINK_RANK or h_next.shape != (rows, lora.rank):
-            raise ValueError(f"the shrink takes A [S, {lora.rank}, {n}] at a rank of at most {MAX_SHRINK_RANK} and h "
+        if tuple(a.shape[1:]) != (lora.rank, n) or lora.rank > lora_tuning.SILU_SHRINK_MAX_RANK or h_next.shape != (rows, lora.rank):
+            raise ValueError(f"the shrink takes A [S, {lora.rank}, {n}] at a rank of at most {lora_tuning.SILU_SHRINK_MAX_RANK} and h "
                              f"[{rows}, {lora.rank}], got A {list(a.shape)} and h {list(h_next.shape)}")
         a = slot_stacks([a])[0]
     else:

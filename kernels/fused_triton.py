@@ -264,10 +264,10 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config
 
 def silu_and_mul_and_shrink(gate_up: torch.Tensor, lora: LoRADelta, a: torch.Tensor, *,
                             tile_config: tiles.LoRATileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """On a tiled delta of a rank up to `tiles.MAX_SHRINK_RANK`, one launch: the tiled SiLU·up adds the next
+    """On a tiled delta of a rank up to `lora_tuning.SILU_SHRINK_MAX_RANK`, one launch: the tiled SiLU·up adds the next
     projection's shrink of each product chunk it stores, so that projection's input is not read again for its
     shrink. Otherwise the op, then the shrink."""
-    if _tiled(lora) and lora.rank <= tiles.MAX_SHRINK_RANK:
+    if _tiled(lora) and lora.rank <= lora_tuning.SILU_SHRINK_MAX_RANK:
         h = new_h(1, gate_up.shape[0], lora.rank, gate_up.device, zero=True)
         return tiles.silu_and_mul(gate_up, lora, config=tile_config, shrink_into=(a, h[0])), h
     out = silu_and_mul(gate_up, lora, tile_config=tile_config)

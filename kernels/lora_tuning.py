@@ -187,16 +187,20 @@ def folded_ops(path: str) -> frozenset[str]:
 # per-token steps that tile SiLU·up (`tiled_decode_ops`), where down's shrink would otherwise run beside its
 # matmul on the side stream. Not yet timed on an H200, so off by default; `LORASERVE_LORA_SILU_SHRINK=1|0`
 # overrides.
+# Above SILU_SHRINK_MAX_RANK the shrink's [16 x rank] accumulator would crowd out the tile's registers, so the
+# SiLU·up runs alone and down keeps its own shrink (on the side stream in per-token steps).
 SILU_SHRINK = False
 SILU_SHRINK_ENV = "LORASERVE_LORA_SILU_SHRINK"
+SILU_SHRINK_MAX_RANK = 64
 
 
-def folded_shrinks(path: str, tiled_folds: frozenset[str] = frozenset()) -> frozenset[str]:
+def folded_shrinks(path: str, rank: int, tiled_folds: frozenset[str] = frozenset()) -> frozenset[str]:
     """The fused ops that also take the shrink of the projection that reads their output, in a step on this path
-    whose per-token folds `tiled_folds` take the tiled variants: silu_and_mul where it folds gate/up's expand in
-    its tiled variant, when SILU_SHRINK (or its switch) says so."""
+    reading the slots at `rank`, whose per-token folds `tiled_folds` take the tiled variants: silu_and_mul where
+    it folds gate/up's expand in its tiled variant, up to SILU_SHRINK_MAX_RANK, when SILU_SHRINK (or its switch)
+    says so."""
     tiled = path == "sgmv" or "silu_and_mul" in tiled_folds
-    if not tiled or "silu_and_mul" not in folded_ops(path):
+    if not tiled or rank > SILU_SHRINK_MAX_RANK or "silu_and_mul" not in folded_ops(path):
         return frozenset()
     return frozenset({"silu_and_mul"}) if env_switch(SILU_SHRINK_ENV, "1", "0", SILU_SHRINK) else frozenset()
 

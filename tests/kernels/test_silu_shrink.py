@@ -146,7 +146,7 @@ def test_a_rank_past_the_widest_the_walk_keeps_takes_the_op_then_the_shrink(monk
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_triton
 
-    rank = tiles.MAX_SHRINK_RANK + 16
+    rank = lora_tuning.SILU_SHRINK_MAX_RANK + 16
     shrinks = record_calls(monkeypatch, fused_triton, "lora_shrink_slices")
     slots = PATTERNS["one_slot"]
     gate_up = gate_up_input(slots, torch.float32)
