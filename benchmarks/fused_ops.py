@@ -14,11 +14,9 @@ per launch shape (`LoRAOpConfig`: columns or heads per step, rank block, warps);
 (the segment path, where the expand is SGMV) the tiled variants (`fused_lora_tiles_triton`) at 8
 and 64 adapters, one row per launch shape (`LoRATileConfig`: columns per step or heads per program,
 rank block, warps, rows per program, `mtile` for the whole tile). The kernel's default is marked `*`. The check is the
-relative difference from expand-then-op (zero up to summation order). The `silu_and_mul_shrink+lora` rows (segment
-path) time the tiled SiLU·up that also takes the down projection's shrink against the tiled SiLU·up followed by
-the SGMV shrink, per launch shape and, at the default one, per K split of its dot (`shrink_split`). `--slot-rank
-N` puts the adapters in slots of max rank N, zero-padded, and gives the kernels the slots' ranks (they skip the
-padding); `--ignore-slot-ranks` gives none (they read it, as before slot ranks).
+relative difference from expand-then-op (zero up to summation order). `--slot-rank N` puts the adapters in slots
+of max rank N, zero-padded, and gives the kernels the slots' ranks (they skip the padding); `--ignore-slot-ranks`
+gives none (they read it, as before slot ranks).
 
     python benchmarks/fused_ops.py [--tokens 64 128 8192] [--lora-only] [--ops silu_and_mul ...] [--out DIR]
     python benchmarks/fused_ops.py --lora-only --rank 16 --slot-rank 64 [--ignore-slot-ranks]
@@ -31,7 +29,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -52,7 +50,6 @@ from kernels import (  # noqa: E402
     greedy,
     greedy_triton,
     lora_expand_slices,
-    lora_shrink_slices,
     lora_tuning,
     prepare_lora_metadata,
 )
@@ -65,12 +62,10 @@ DTYPE = torch.bfloat16
 TORCH_CHAIN = "torch"
 FLOAT32_CHAIN = "float32 upcast, max, logsumexp"
 EXPAND_THEN_OP = "expand + op"
-SILU_THEN_SHRINK = "tiled op + SGMV shrink"
 ADAPTERS, RANK = 64, 16
 SEGMENT_ADAPTERS = (8, 64)  # adapter counts of the tiled variants' rows
-SHRINK_SPLITS = (1, 2, 4, 8)  # the K splits of the silu_and_mul_shrink rows' dot, at the default launch shape
 LaunchConfig = LoRAOpConfig | LoRATileConfig  # the launch shape of a per-token or a tiled variant
-OPS = ["add_rms_norm", "silu_and_mul", "silu_and_mul_shrink", "rotary_and_write_kv", "greedy"]
+OPS = ["add_rms_norm", "silu_and_mul", "rotary_and_write_kv", "greedy"]
 
 
 @dataclass(frozen=True)
@@ -282,7 +277,6 @@ def _lora_cases(inp: Inputs) -> dict[str, Case]:
         cases = {}
         for adapters in SEGMENT_ADAPTERS:
             cases.update(_folded_cases(inp, adapters, partial(_tile_variants, adapters=adapters), "tile_config"))
-            cases.update(_silu_shrink_cases(inp, adapters))
         return cases
     return _folded_cases(inp, ADAPTERS, _variants, "config")
 
@@ -342,34 +336,6 @@ def _folded_cases(inp: Inputs, adapters: int, variants: Callable[[str], list[tup
            ("rotary_and_write_kv", expand_then_rotary, rotary, check_rotary)]
     return {name: Case(EXPAND_THEN_OP, baseline, partial(run, config), partial(check, config))
             for op, baseline, run, check in ops for name, config in variants(op)}
-
-
-def _silu_shrink_cases(inp: Inputs, adapters: int) -> dict[str, Case]:
-    """'silu_and_mul_shrink+lora a<adapters> tile <launch shape>': the tiled SiLU·up with gate/up's delta folded in
-    and down's shrink taken from its output (`silu_and_mul_and_shrink`), against the tiled SiLU·up followed by the
-    SGMV shrink of down (which reads the activation again), one row per launch shape of the tiled SiLU·up."""
-    gate_up_lora = inp.lora([inp.shapes.intermediate] * 2, seed=2, adapters=adapters)
-    gen = torch.Generator(device=inp.x.device).manual_seed(4)
-    down_a = torch.randn(adapters, gate_up_lora.rank, inp.shapes.intermediate, device=inp.x.device, generator=gen)
-    down_a = down_a.div(inp.shapes.intermediate ** 0.5).to(DTYPE)
-    down_a[:, inp.rank:] = 0.0
-
-    def silu_then_shrink():
-        out = fused_triton.silu_and_mul(inp.gate_up, gate_up_lora)
-        return out, lora_shrink_slices(out, (down_a,), gate_up_lora.meta)
-
-    def fused(config: LoRATileConfig) -> tuple[torch.Tensor, torch.Tensor]:
-        return fused_triton.silu_and_mul_and_shrink(inp.gate_up, gate_up_lora, down_a, tile_config=config)
-
-    def check(config: LoRATileConfig) -> float:
-        return max(relative_error(a, b) for a, b in zip(fused(config), silu_then_shrink()))
-
-    default = LORA_TILE_CONFIGS["silu_and_mul"]
-    splits = [(f"silu_and_mul+lora a{adapters} tile default split{split}", replace(default, shrink_split=split))
-              for split in SHRINK_SPLITS if split != default.shrink_split]
-    return {name.replace("silu_and_mul+", "silu_and_mul_shrink+"): Case(SILU_THEN_SHRINK, silu_then_shrink,
-                                                                        partial(fused, config), partial(check, config))
-            for name, config in _tile_variants("silu_and_mul", adapters) + splits}
 
 
 def main() -> None:

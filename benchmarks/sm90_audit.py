@@ -222,8 +222,6 @@ def audit(batch: int, whatif: bool = False) -> list[dict]:
     step("add_rms_norm", "base", lambda: fused_triton.add_rms_norm(x, residual, weight, 1e-5))
     step("silu_and_mul (+gate/up delta)", "LoRA", lambda: fused_triton.silu_and_mul(
         gate_up, lora=LoRADelta(h_gu, (b["gate"], b["up"]), meta)))
-    step("silu_and_mul (+gate/up delta, down's shrink)", "LoRA", lambda: fused_triton.silu_and_mul_and_shrink(
-        gate_up, LoRADelta(h_gu, (b["gate"], b["up"]), meta, tiled=True), a["down"]))
     step("silu_and_mul", "base", lambda: fused_triton.silu_and_mul(gate_up))
     step("greedy", "base", lambda: greedy_triton.greedy(logits, VOCAB))
     if whatif:

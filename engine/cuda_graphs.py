@@ -207,9 +207,7 @@ class DecodeGraphs:
             per_token = meta.path == "bgmv"
             lora = LoRAStep(meta, self.lora_side_stream if per_token else None,
                             fold_into=lora_tuning.folded_ops(meta.path), tiled_folds=key.tiled_folds,
-                            rank_width=key.rank_width,
-                            shrink_folds=lora_tuning.folded_shrinks(meta.path, key.rank_width or self.max_rank,
-                                                                                    key.tiled_folds))
+                            rank_width=key.rank_width)
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:

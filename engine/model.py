@@ -50,18 +50,15 @@ class LoRALinear(nn.Module):
         self.lora_b: list[torch.Tensor] | None = None
         self._narrow: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]] = {}
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None, out: torch.Tensor | None = None,
-                h: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None,
+                out: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """(y, None) with the adapters' deltas added; or, when `self.consumer` is in `lora.fold_into`, the
         base product and the delta that op adds (in its tiled variant when it is in `lora.tiled_folds`).
-        out: where y goes (a buffer that outlives a CUDA-graph piece), else a new tensor. h: the shrink of x,
-        when the op that made x took it (`LoRAStep.shrink_folds`)."""
+        out: where y goes (a buffer that outlives a CUDA-graph piece), else a new tensor."""
         if lora is None or self.lora_a is None:
             return self._base(x, out), None
         lora_a, lora_b = self.slot_stacks(lora.rank_width)
-        if h is not None:
-            y = self._base(x, out)
-        elif lora.side_stream is None:
+        if lora.side_stream is None:
             y = self._base(x, out)
             h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
         else:  # the base matmul is issued first (H200 decode graphs, 64 rows on 64 adapters: 7.20 -> 7.07 ms)
@@ -222,10 +219,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, kernels.LoRADelta | None]:
         """down_proj's output and the LoRA delta still to add to it (see `LoRALinear.forward`)."""
         gate_up, delta = self.gate_up_proj(x, lora)
-        if delta is not None and "silu_and_mul" in lora.shrink_folds and self.down_proj.lora_a is not None:
-            down_a = self.down_proj.slot_stacks(lora.rank_width)[0][0]
-            activation, h = fused.silu_and_mul_and_shrink(gate_up, delta, down_a)
-            return self.down_proj(activation, lora, h=h)
         return self.down_proj(fused.silu_and_mul(gate_up, lora=delta), lora)
 
 

@@ -51,10 +51,8 @@ class ModelRunner:
                                                  slot_ranks=self.lora_slot_ranks.on_device)
             if lora_tuning.step_path(num_tokens, self.lora_slot_ranks.max_rank, token_slots) != meta.path:
                 meta = meta.in_segments()
-            tiled_folds = lora_tuning.tiled_decode_ops(num_tokens, token_slots)
-            lora = LoRAStep(meta, fold_into=lora_tuning.folded_ops(meta.path), tiled_folds=tiled_folds,
-                            shrink_folds=lora_tuning.folded_shrinks(meta.path, self.lora_slot_ranks.max_rank,
-                                                                                    tiled_folds))
+            lora = LoRAStep(meta, fold_into=lora_tuning.folded_ops(meta.path),
+                            tiled_folds=lora_tuning.tiled_decode_ops(num_tokens, token_slots))
         return StepInput(input_ids=ids, positions=pos, attention=attention, lora=lora)
 
     def _pack_step(self, scheduled: list[ScheduledSequence], adapter_slots: list[int],

@@ -80,9 +80,7 @@ class PiecewiseGraphs:
             # in segments where every step of the bucket would take them, however its rows spread over adapters
             paths = {lora_tuning.path_for(size, self.lora_slot_ranks.max_rank, shared) for shared in (False, True)}
             self.lora_meta[size] = meta.in_segments() if paths == {"sgmv"} else meta
-            path = self.lora_meta[size].path
-            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(path),
-                            shrink_folds=lora_tuning.folded_shrinks(path, self.lora_slot_ranks.max_rank))
+            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(self.lora_meta[size].path))
         # the pieces read only the KV slots; attention, which reads the rest, runs outside them
         attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),
                                       context_lens=slots.new_empty(0), query_lens=[], context_lens_list=[],

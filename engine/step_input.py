@@ -40,16 +40,13 @@ class LoRAStep:
     although the step is on the per-token path (`lora_tuning.tiled_decode_ops`: many rows on few adapters); on
     the segment path every fold is tiled whatever this holds. rank_width: the rank width the LoRA ops read the
     slots at, narrower than the slots when every adapter of the step fits it (`lora_tuning.rank_width`: the
-    launches then take that rank's shapes); None, the slots' whole width. shrink_folds: the fused ops of fold_into
-    that also take the shrink of the projection reading their output (`lora_tuning.folded_shrinks`: silu_and_mul
-    where it is tiled), which then skips its own."""
+    launches then take that rank's shapes); None, the slots' whole width."""
 
     meta: LoRAMetadata  # the tokens grouped by adapter slot
     side_stream: torch.cuda.Stream | None = None
     fold_into: frozenset[str] = frozenset()
     tiled_folds: frozenset[str] = frozenset()
     rank_width: int | None = None
-    shrink_folds: frozenset[str] = frozenset()
 
 
 @dataclass

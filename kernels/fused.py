@@ -50,16 +50,6 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None) -> torch.
     return _backend(gate_up).silu_and_mul(gate_up, lora)
 
 
-def silu_and_mul_and_shrink(gate_up: torch.Tensor, lora: LoRADelta,
-                            a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(silu_and_mul(gate_up, lora), h): h, float32 [1, T, R], is the next projection's shrink of that output
-    (`lora_shrink_slices` with its A slot stack `a` [S, R, N], R the delta's rank), taken on the Triton path's tiled
-    variant from each product chunk as it is stored: the projection's input is then not read again for its shrink."""
-    half = gate_up.shape[1] // 2
-    lora.check(gate_up.shape[0], (half, half))
-    return _backend(gate_up).silu_and_mul_and_shrink(gate_up, lora, a)
-
-
 def rotary_and_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                         positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         slot_mapping: torch.Tensor, lora: LoRADelta | None = None) -> None:

@@ -20,9 +20,7 @@ import triton.language as tl
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import (
-    b_block, delta_tile, dot_acc, dot_f32, plus_h_times_b, rank_columns, row_stride, slot_stacks,
-)
+from kernels.lora_triton import b_block, delta_tile, dot_f32, plus_h_times_b, rank_columns, row_stride, slot_stacks
 
 MIN_BLOCK_R = 16  # the dot's smallest inner dimension
 MIN_COLUMNS = 16  # and its smallest output width
@@ -35,19 +33,16 @@ class LoRATileConfig:
     (add_rms_norm) or heads per program (rotary_and_write_kv); `block_r` rank columns per dot (at least 16;
     larger ranks loop); `rows`: token rows per program, a part of a tile (0: the whole tile), for more programs
     when there are few tiles (silu_and_mul and rotary_and_write_kv walk them `ROW_STEP` at a time on B loaded once);
-    `num_stages`: Triton's software pipelining depth; `shrink_split`: the K splits of silu_and_mul's dot for the next
-    projection's shrink (`_split_k_dot`; at most the chunk's 16-column parts). sm_90, 8192 tokens, chunk 128: 172
-    registers a thread unsplit, 80 split 8 ways (`benchmarks/sm90_audit.py`)."""
+    `num_stages`: Triton's software pipelining depth."""
 
     chunk: int
     block_r: int
     num_warps: int
     rows: int = 0
     num_stages: int = 2
-    shrink_split: int = 8
 
     def __post_init__(self) -> None:
-        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps", "shrink_split"))
+        lora_tuning.check_powers_of_two(self, ("chunk", "block_r", "num_warps"))
         if self.rows and (self.rows < 16 or self.rows & (self.rows - 1)):
             raise ValueError(f"rows must be 0 or a power of two of at least 16, got {self.rows}")
 
@@ -180,106 +175,63 @@ def _halves_plus_delta(x_rows, offset, mask, h1_rows, h2_rows, in_use, b1, b2, b
 
 
 @triton.jit
-def _split_k_dot(x, y, SPLIT: tl.constexpr, DOT_F32: tl.constexpr):
-    """float32 x [M, K] @ y [K, N] as SPLIT batched dots over K's parts, summed: each dot's operands then span
-    K / SPLIT columns, not K, in every warp (one dot of M = 16 rows holds all of x and y in each of its warps;
-    `LoRATileConfig.shrink_split`)."""
-    if SPLIT == 1:
-        return dot_acc(tl.zeros([x.shape[0], y.shape[1]], dtype=tl.float32), x, y, DOT_F32)
-    xs = tl.permute(tl.reshape(x, [x.shape[0], SPLIT, x.shape[1] // SPLIT]), [1, 0, 2])
-    ys = tl.reshape(y, [SPLIT, y.shape[0] // SPLIT, y.shape[1]])
-    return tl.sum(dot_acc(tl.zeros([SPLIT, x.shape[0], y.shape[1]], dtype=tl.float32), xs, ys, DOT_F32), axis=0)
-
-
-@triton.jit
 def _silu_rows_step(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start, row0, end,
                     cols, col_mask, bg, bu, b_gate, b_up, stride_bn: tl.constexpr, R: tl.constexpr, rank,
-                    STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr,
-                    a_t, hs_ptr, stride_hst, ranks_s, SHRINK: tl.constexpr, SHRINK_SPLIT: tl.constexpr):
+                    STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr, HAS_DELTA: tl.constexpr):
     """Rows row0 .. row0 + STEP (short of `end`) of a tile: gate and up plus their deltas, the product stored. B^T's
-    chunks `bg` and `bu` come loaded when the rank fits one rank block; otherwise each step reads B. With SHRINK, the
-    stored product times `a_t` (the next projection's A^T rows of these columns) is added to its h rows at
-    `hs_ptr`: this chunk's part of that projection's shrink."""
+    chunks `bg` and `bu` come loaded when the rank fits one rank block; otherwise each step reads B."""
     rows, in_use = _step_rows(order_ptr, start, row0, end, STEP)
     mask = in_use[:, None] & col_mask[None, :]
     h_rows = h_ptr + rows[:, None] * stride_ht
     gate, up = _halves_plus_delta(x_ptr + rows[:, None] * stride_x + cols[None, :], n, mask, h_rows,
                                   h_rows + stride_hn, in_use, bg, bu, b_gate, b_up, stride_bn, cols, cols, col_mask, R,
                                   rank, STEP, BLOCK_R, DOT_F32, HAS_DELTA)
-    product = silu_times(gate, up)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], product, mask=mask)
-    if SHRINK:
-        part = _split_k_dot(product, a_t, SHRINK_SPLIT, DOT_F32)
-        tl.atomic_add(hs_ptr + rows[:, None] * stride_hst + ranks_s[None, :], part, sem="relaxed",
-                      mask=in_use[:, None] & (ranks_s < R)[None, :])
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], silu_times(gate, up), mask=mask)
 
 
 @triton.jit
 def _silu_and_mul_tiles_kernel(x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, b_gate_ptr, b_up_ptr, order_ptr,
                                tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr, stride_bs_gate, stride_bs_up,
-                               stride_bn: tl.constexpr, stride_hn, stride_ht, a_ptr, stride_as, stride_ar, hs_ptr,
-                               stride_hst, R: tl.constexpr, ROWS: tl.constexpr, CHUNK: tl.constexpr,
-                               STEP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_RS: tl.constexpr,
-                               DOT_F32: tl.constexpr, SHRINK: tl.constexpr, SHRINK_SPLIT: tl.constexpr):
+                               stride_bn: tl.constexpr, stride_hn, stride_ht, R: tl.constexpr, ROWS: tl.constexpr,
+                               CHUNK: tl.constexpr, STEP: tl.constexpr, BLOCK_R: tl.constexpr, DOT_F32: tl.constexpr):
     """Program (tile, chunk, part) walks its part's ROWS rows STEP at a time (`_silu_rows_step`), the slot's B chunks
-    loaded once for all steps: B's reads from L2 shrink by ROWS / STEP (H200, 8192 tokens: 337 -> 221 us). With
-    SHRINK, the slot's A rows of its columns too (below the slot's rank: past it A is padding and h stays zero)."""
+    loaded once for all steps: B's reads from L2 shrink by ROWS / STEP (H200, 8192 tokens: 337 -> 221 us)."""
     start, first, end, slot, rank = _tile_part(tile_slot_ptr, tile_rank_ptr, tile_start_ptr, tile_len_ptr,
                                                tl.program_id(0), tl.program_id(2), R, ROWS)
     cols = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     col_mask = cols < n
-    ranks_s = tl.arange(0, BLOCK_RS)
     step_args = (x_ptr, out_ptr, stride_x, stride_out, n, h_ptr, order_ptr, stride_hn, stride_ht, start)
     if (slot >= 0) & (first < end):  # a part past a short tile's end reads no B
         b_gate = b_gate_ptr + slot.to(tl.int64) * stride_bs_gate
         b_up = b_up_ptr + slot.to(tl.int64) * stride_bs_up
-        bg, bu, a_t = None, None, None
+        bg, bu = None, None
         if R <= BLOCK_R:
             bg = b_block(b_gate, stride_bn, cols, col_mask, 0, rank, BLOCK_R)
             bu = b_block(b_up, stride_bn, cols, col_mask, 0, rank, BLOCK_R)
-        if SHRINK:
-            a_rows = ranks_s < tl.minimum(tl.load(tile_rank_ptr + tl.program_id(0)), R)
-            a_t = tl.load(a_ptr + slot.to(tl.int64) * stride_as + ranks_s[None, :] * stride_ar + cols[:, None],
-                          mask=col_mask[:, None] & a_rows[None, :], other=0.0)
         for row0 in range(first, end, STEP):
             _silu_rows_step(*step_args, row0, end, cols, col_mask, bg, bu, b_gate, b_up, stride_bn, R, rank, STEP,
-                            BLOCK_R, DOT_F32, True, a_t, hs_ptr, stride_hst, ranks_s, SHRINK, SHRINK_SPLIT)
-    else:  # base tokens: their h rows of the next projection stay zero
+                            BLOCK_R, DOT_F32, HAS_DELTA=True)
+    else:
         for row0 in range(first, end, STEP):
             _silu_rows_step(*step_args, row0, end, cols, col_mask, None, None, None, None, stride_bn, R, rank, STEP,
-                            BLOCK_R, DOT_F32, False, None, hs_ptr, stride_hst, ranks_s, False, 1)
+                            BLOCK_R, DOT_F32, HAS_DELTA=False)
 
 
 def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta, *, config: LoRATileConfig | None = None,
-                 out: torch.Tensor | None = None,
-                 shrink_into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate + delta) * (up + delta) for gate_up [T, 2N], into `out` [T, N] when given: a grid of (tile,
-    chunk of `config.chunk` columns, part of the tile); gate_up stays as it is. With `shrink_into` (the next
-    projection's A slot stack [S, R, N], R the delta's rank and at most lora_tuning.SILU_SHRINK_MAX_RANK; its h, float32 [T, R] and
-    zero), that projection's shrink of the product as it is stored is added to h, each column chunk's part in
-    turn (`lora_shrink_slices`'s sum in another order)."""
+    chunk of `config.chunk` columns, part of the tile); gate_up stays as it is."""
     rows, width = gate_up.shape
     n = width // 2
     if out is None:
         out = torch.empty(rows, n, dtype=gate_up.dtype, device=gate_up.device)
-    if shrink_into is not None:
-        a, h_next = shrink_into
-        if tuple(a.shape[1:]) != (lora.rank, n) or lora.rank > lora_tuning.SILU_SHRINK_MAX_RANK or h_next.shape != (rows, lora.rank):
-            raise ValueError(f"the shrink takes A [S, {lora.rank}, {n}] at a rank of at most {lora_tuning.SILU_SHRINK_MAX_RANK} and h "
-                             f"[{rows}, {lora.rank}], got A {list(a.shape)} and h {list(h_next.shape)}")
-        a = slot_stacks([a])[0]
-    else:
-        a, h_next = gate_up, out  # placeholders, not read
     if rows == 0:
         return out
     config = config or LORA_TILE_CONFIGS["silu_and_mul"]
     chunk = max(MIN_COLUMNS, min(config.chunk, triton.next_power_of_2(n)))
     grid = (lora.meta.num_tiles, triton.cdiv(n, chunk), _row_blocks(lora, config))
-    shrink = dict(SHRINK=shrink_into is not None, BLOCK_RS=max(MIN_BLOCK_R, triton.next_power_of_2(lora.rank)),
-                  SHRINK_SPLIT=max(1, min(config.shrink_split, chunk // MIN_BLOCK_R)))
     _silu_and_mul_tiles_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), n, *_tile_args(lora),
-                                     a, a.stride(0), a.stride(1), h_next, h_next.stride(0), CHUNK=chunk,
-                                     STEP=ROW_STEP, **shrink, **_launch(lora, config))
+                                     CHUNK=chunk, STEP=ROW_STEP, **_launch(lora, config))
     return out
 
 

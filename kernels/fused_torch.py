@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from kernels.attention import write_kv_torch
-from kernels.lora import lora_shrink_slices
 from kernels.lora_delta import LoRADelta
 
 
@@ -32,13 +31,6 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None) -> torch.
         lora.apply(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up
-
-
-def silu_and_mul_and_shrink(gate_up: torch.Tensor, lora: LoRADelta,
-                            a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu_and_mul, then the next projection's shrink of its output."""
-    out = silu_and_mul(gate_up, lora)
-    return out, lora_shrink_slices(out, (a,), lora.meta)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -23,9 +23,8 @@ import triton.language as tl
 from kernels import fused_lora_tiles_triton as tiles
 from kernels import lora_tuning
 from kernels.fused_math_triton import rotated, silu_times, store_halves, store_normed
-from kernels.lora import lora_shrink_slices
 from kernels.lora_delta import LoRADelta
-from kernels.lora_triton import delta_rows, new_h, rank_columns, row_stride, slot_stacks
+from kernels.lora_triton import delta_rows, rank_columns, row_stride, slot_stacks
 from kernels.pdl_triton import pdl_launch, wait_for_predecessor
 
 
@@ -260,18 +259,6 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoRADelta | None = None, *, config
         **pdl_launch(gate_up.device),
     )
     return out
-
-
-def silu_and_mul_and_shrink(gate_up: torch.Tensor, lora: LoRADelta, a: torch.Tensor, *,
-                            tile_config: tiles.LoRATileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """On a tiled delta of a rank up to `lora_tuning.SILU_SHRINK_MAX_RANK`, one launch: the tiled SiLU·up adds the next
-    projection's shrink of each product chunk it stores, so that projection's input is not read again for its
-    shrink. Otherwise the op, then the shrink."""
-    if _tiled(lora) and lora.rank <= lora_tuning.SILU_SHRINK_MAX_RANK:
-        h = new_h(1, gate_up.shape[0], lora.rank, gate_up.device, zero=True)
-        return tiles.silu_and_mul(gate_up, lora, config=tile_config, shrink_into=(a, h[0])), h
-    out = silu_and_mul(gate_up, lora, tile_config=tile_config)
-    return out, lora_shrink_slices(out, (a,), lora.meta)
 
 
 @triton.jit

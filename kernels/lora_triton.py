@@ -89,7 +89,7 @@ def _shrink_bgmv_kernel(
 
 
 @triton.jit
-def dot_acc(acc, a, b, DOT_F32: tl.constexpr):
+def _dot_acc(acc, a, b, DOT_F32: tl.constexpr):
     """acc + a @ b; DOT_F32 computes in true float32 (float32 inputs must not round through tf32, and
     the interpreter's dot mishandles bfloat16)."""
     if DOT_F32:
@@ -142,11 +142,11 @@ def _shrink_sgmv_kernel(
             a_mask = a_in_rank[None, :] & k_mask[:, None]
         xv = tl.load(x_rows + offs_k[None, :], mask=x_mask, other=0.0)
         a_ptrs = a_offs + offs_k[:, None]
-        acc0 = dot_acc(acc0, xv, tl.load(a0_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
+        acc0 = _dot_acc(acc0, xv, tl.load(a0_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
         if NUM_SLICES > 1:
-            acc1 = dot_acc(acc1, xv, tl.load(a1_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
+            acc1 = _dot_acc(acc1, xv, tl.load(a1_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
         if NUM_SLICES > 2:
-            acc2 = dot_acc(acc2, xv, tl.load(a2_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
+            acc2 = _dot_acc(acc2, xv, tl.load(a2_ptr + a_ptrs, mask=a_mask, other=0.0), DOT_F32)
     if SPLIT_K == 1:
         tl.store(h_ptrs, acc0, mask=h_mask)
         if NUM_SLICES > 1:
@@ -225,7 +225,7 @@ def plus_h_times_b(acc, h_rows, m_mask, bv, r0, rank, BLOCK_R: tl.constexpr, DOT
     past the slot's rank); h is float32, rounded to B's dtype, as peft's lora_B receives lora_A's output."""
     offs_r = r0 + tl.arange(0, BLOCK_R)
     hv = tl.load(h_rows + offs_r[None, :], mask=m_mask[:, None] & (offs_r < rank)[None, :], other=0.0)
-    return dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
+    return _dot_acc(acc, hv.to(bv.dtype), bv, DOT_F32)
 
 
 @triton.jit
@@ -343,13 +343,6 @@ def _check_tokens(meta: LoRAMetadata, num_tokens: int) -> None:
         raise ValueError(f"metadata was prepared for {meta.num_tokens} tokens, the input has {num_tokens}")
 
 
-def new_h(n: int, num_tokens: int, rank: int, device: torch.device, *, zero: bool = False) -> torch.Tensor:
-    """An h of `n` slices, float32 [n, num_tokens, rank], its slices `H_ROWS_ALIGN`-aligned rows apart."""
-    rows = triton.cdiv(num_tokens, H_ROWS_ALIGN) * H_ROWS_ALIGN
-    new = torch.zeros if zero else torch.empty
-    return new(n, rows, rank, dtype=torch.float32, device=device)[:, :num_tokens]
-
-
 def shrink_slices(
     x: torch.Tensor,
     a_slices: Sequence[torch.Tensor],
@@ -370,7 +363,8 @@ def shrink_slices(
     if len({a.stride()[:2] for a in a_slices}) > 1:
         a_slices = [a.contiguous() for a in a_slices]  # one slot and row stride for all slices (same shapes)
     if out is None:
-        out = new_h(n, num_tokens, rank, x.device)
+        rows = triton.cdiv(num_tokens, H_ROWS_ALIGN) * H_ROWS_ALIGN
+        out = torch.empty(n, rows, rank, dtype=torch.float32, device=x.device)[:, :num_tokens]
     if num_tokens == 0:
         return out
     path = path or meta.path

@@ -6,8 +6,8 @@ Classes: the path (BGMV, or SGMV with its tile height `block_m`), the rank bucke
 smallest key >= the rank; larger ranks loop), and for shrink whether several slices share
 the launch (their accumulators share registers). Also here: which path a batch takes
 (`choose_path` by the token count, `step_path` by the rank and the rows' adapters too), which expands steps fold
-into the fused op after them (`folded_ops`), which of those folds a per-token step hands to the ops' tiled
-variants (`tiled_decode_ops`), and which fused ops also take the next projection's shrink (`folded_shrinks`).
+into the fused op after them (`folded_ops`), and which of those folds a per-token step hands to the ops' tiled
+variants (`tiled_decode_ops`).
 """
 
 from __future__ import annotations
@@ -179,30 +179,6 @@ def folded_ops(path: str) -> frozenset[str]:
     """The fused ops that add the LoRA delta of the projection they read, in a step on this path (none when the
     fold is switched off)."""
     return FOLDED_OPS[path] if fold_expand() else frozenset()
-
-
-# The tiled SiLU·up can also take the down projection's shrink: it adds each stored product chunk times the slot's
-# A columns into down's h, so down's input (8192 x 14336 bf16 on Llama-3-8B, 235 MB a layer) is not read again
-# for a shrink of its own (`fused.silu_and_mul_and_shrink`). It runs the tiled variant on the segment path, and in
-# per-token steps that tile SiLU·up (`tiled_decode_ops`), where down's shrink would otherwise run beside its
-# matmul on the side stream. Not yet timed on an H200, so off by default; `LORASERVE_LORA_SILU_SHRINK=1|0`
-# overrides.
-# Above SILU_SHRINK_MAX_RANK the shrink's [16 x rank] accumulator would crowd out the tile's registers, so the
-# SiLU·up runs alone and down keeps its own shrink (on the side stream in per-token steps).
-SILU_SHRINK = False
-SILU_SHRINK_ENV = "LORASERVE_LORA_SILU_SHRINK"
-SILU_SHRINK_MAX_RANK = 64
-
-
-def folded_shrinks(path: str, rank: int, tiled_folds: frozenset[str] = frozenset()) -> frozenset[str]:
-    """The fused ops that also take the shrink of the projection that reads their output, in a step on this path
-    reading the slots at `rank`, whose per-token folds `tiled_folds` take the tiled variants: silu_and_mul where
-    it folds gate/up's expand in its tiled variant, up to SILU_SHRINK_MAX_RANK, when SILU_SHRINK (or its switch)
-    says so."""
-    tiled = path == "sgmv" or "silu_and_mul" in tiled_folds
-    if not tiled or rank > SILU_SHRINK_MAX_RANK or "silu_and_mul" not in folded_ops(path):
-        return frozenset()
-    return frozenset({"silu_and_mul"}) if env_switch(SILU_SHRINK_ENV, "1", "0", SILU_SHRINK) else frozenset()
 
 
 # On the per-token path the SiLU·up fold reads the token's gate/up B ([28672, 16] bf16, 917 KB on Llama-3-8B) once

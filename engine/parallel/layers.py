@@ -33,19 +33,15 @@ class RowParallelLoRALinear(LoRALinear):
         super().__init__(in_features, out_sizes, bias, names, consumer)
         self.group = group
 
-    def forward(self, x: torch.Tensor, lora: LoRAStep | None,
-                h: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        """The complete output (the delta is added here, after the reduction, whatever the step folds). h: this
-        rank's partial shrink of x, when the op that made x took it."""
+    def forward(self, x: torch.Tensor, lora: LoRAStep | None) -> tuple[torch.Tensor, None]:
+        """The complete output (the delta is added here, after the reduction, whatever the step folds)."""
         y = self.group.all_reduce(nn.functional.linear(x, self.weight))
         if self.bias is not None:
             y = y + self.bias
         if lora is not None and self.lora_a is not None:
             lora_a, lora_b = self.slot_stacks(lora.rank_width)
-            if h is None:
-                h = kernels.lora_shrink_slices(x, lora_a, lora.meta)
             # contiguous for the collective (the Triton shrink returns h as a view of row-padded slices)
-            h = self.group.all_reduce(h.contiguous())
+            h = self.group.all_reduce(kernels.lora_shrink_slices(x, lora_a, lora.meta).contiguous())
             kernels.lora_expand_slices(y, h, lora_b, lora.meta)
         return y, None
 

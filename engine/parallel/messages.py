@@ -31,8 +31,6 @@ class Step:
     lora_fold_into: frozenset[str]
     # those of them that take the fused ops' tiled variants (LoRAStep.tiled_folds), as the driver chose
     lora_tiled_folds: frozenset[str]
-    # the fused ops that also take the next projection's shrink (LoRAStep.shrink_folds)
-    lora_shrink_folds: frozenset[str]
     # whether the driver's step runs the LoRA kernels in segments whatever its size (LoRAMetadata.segments)
     lora_segments: bool
     num_kv_blocks: int
@@ -103,7 +101,6 @@ def encode_step(step: StepInput, kv_caches: list[tuple[torch.Tensor, torch.Tenso
         num_lora_slots=0 if lora is None else lora.meta.num_slots,
         lora_fold_into=frozenset() if lora is None else lora.fold_into,
         lora_tiled_folds=frozenset() if lora is None else lora.tiled_folds,
-        lora_shrink_folds=frozenset() if lora is None else lora.shrink_folds,
         lora_segments=lora is not None and lora.meta.segments,
         num_kv_blocks=num_blocks, block_size=block_size,
         prefill=None if attn.prefill is None else (_numpy(attn.prefill.tiles), _numpy(attn.prefill.sequences),
@@ -125,8 +122,7 @@ def decode_step(message: Step, device: torch.device, lora_slot_ranks: torch.Tens
         meta = kernels.prepare_lora_metadata(tensor(message.lora_slots), message.num_lora_slots,
                                              slot_ranks=lora_slot_ranks)
         lora = LoRAStep(meta.in_segments() if message.lora_segments else meta,
-                        fold_into=message.lora_fold_into, tiled_folds=message.lora_tiled_folds,
-                        shrink_folds=message.lora_shrink_folds)
+                        fold_into=message.lora_fold_into, tiled_folds=message.lora_tiled_folds)
     prefill = None
     if message.prefill is not None:
         from kernels.prefill_attention_triton import PrefillPlan

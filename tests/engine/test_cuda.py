@@ -9,7 +9,6 @@ import torch
 from engine import LLM, LoRARequest, SamplingParams
 from kernels import lora_tuning
 from tests.engine.recording_graph import record_replays
-from tests.kernels.lora_cases import record_calls
 from tests.tiny_models import make_peft_adapter
 
 pytestmark = pytest.mark.gpu
@@ -39,18 +38,6 @@ def _tokens(outputs):
     return [o.outputs[0].token_ids for o in outputs]
 
 
-def _many_rows_on_cpu_and_cuda(tiny_llama, loras, rows: int) -> tuple[list, list]:
-    """Greedy float32 tokens of `rows` requests (base rows and each adapter's in turn), decoded together up to
-    `rows` at a time, on the CPU and on CUDA with graphs."""
-    kwargs = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=rows)
-    prompts = [f"{prompt} {i}" for i in range(rows // 4) for prompt in PROMPTS[:4]]
-    requests = [[None, *loras][i % 4] for i in range(len(prompts))]
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    return tuple(_tokens(LLM(str(tiny_llama), device=device, **kwargs).generate(prompts, params,
-                                                                                 lora_request=requests, use_tqdm=False))
-                 for device in ("cpu", "cuda"))
-
-
 def test_cuda_float32_with_graphs_matches_the_cpu(tiny_llama, loras):
     kwargs = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16)
     cpu = _mixed(LLM(str(tiny_llama), device="cpu", **kwargs), loras)
@@ -65,20 +52,14 @@ def test_cuda_float32_with_graphs_matches_the_cpu(tiny_llama, loras):
 def test_decode_steps_of_512_rows_match_the_cpu_in_float32(tiny_llama, loras):
     """The top buckets' graphs: 512 decode rows on adapters, in 16-row LoRA tiles (`DECODE_BLOCK_M`) where eager
     steps of as many tokens take 64-row ones."""
-    cpu, cuda = _many_rows_on_cpu_and_cuda(tiny_llama, loras, 512)
-    assert cuda == cpu
-
-
-def test_segment_steps_with_the_down_shrink_in_silu_match_the_cpu_in_float32(tiny_llama, loras, monkeypatch):
-    """`LORASERVE_LORA_SILU_SHRINK=1`: the prefills' piecewise graphs and the decode graphs of 129 rows and more
-    (the segment path) take down's shrink in the tiled SiLU·up, and decode as the CPU does."""
-    from kernels import fused_lora_tiles_triton
-
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "1")
-    launches = record_calls(monkeypatch, fused_lora_tiles_triton, "_silu_and_mul_tiles_kernel")
-    cpu, cuda = _many_rows_on_cpu_and_cuda(tiny_llama, loras, 256)
-    assert any(call.kwargs["SHRINK"] for call in launches)
-    assert cuda == cpu
+    kwargs = dict(dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, max_num_seqs=512)
+    prompts = [f"{prompt} {i}" for i in range(128) for prompt in PROMPTS[:4]]
+    requests = [[None, *loras][i % 4] for i in range(len(prompts))]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {device: LLM(str(tiny_llama), device=device, **kwargs).generate(prompts, params, lora_request=requests,
+                                                                             use_tqdm=False)
+               for device in ("cpu", "cuda")}
+    assert _tokens(outputs["cuda"]) == _tokens(outputs["cpu"])
 
 
 def test_triton_lora_kernels_agree_with_the_torch_path_end_to_end(tiny_llama, loras, monkeypatch):

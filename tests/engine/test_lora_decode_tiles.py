@@ -77,16 +77,6 @@ def _adapters(model_dir: Path, root: Path) -> list[LoRARequest]:
             for seed in (1, 2)]
 
 
-def _eager_llm(model_dir: Path, adapters: list[LoRARequest]) -> LLM:
-    """A float32 engine of eager steps with the adapters already read: the first step then admits every request,
-    so a decode step holds all rows."""
-    llm = LLM(str(model_dir), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
-              max_lora_rank=8)
-    for lora in adapters:
-        llm.engine.lora_manager.add(lora)
-    return llm
-
-
 def _record_decode_tiles(monkeypatch, llm: LLM) -> list[tuple[int, frozenset[str]]]:
     """The rows and the tiled folds of each decode-only step with adapter rows that the runner builds."""
     seen: list[tuple[int, frozenset[str]]] = []
@@ -114,7 +104,10 @@ def test_decode_steps_of_many_rows_on_few_adapters_tile_and_generate_the_untiled
     tokens = {}
     for switch in ("1", "0"):
         monkeypatch.setenv(lora_tuning.DECODE_TILES_ENV, switch)
-        llm = _eager_llm(tiny_llama, adapters)
+        llm = LLM(str(tiny_llama), dtype="float32", device=DEVICE, enforce_eager=True, enable_lora=True, max_loras=2,
+                  max_lora_rank=8)
+        for lora in adapters:  # read now: the first step admits every request, so a decode step holds all rows
+            llm.engine.lora_manager.add(lora)
         decode_tiles = _record_decode_tiles(monkeypatch, llm)
         launches.clear()
         tokens[switch] = _greedy_tokens(llm, adapters)
@@ -128,45 +121,14 @@ def test_decode_steps_of_many_rows_on_few_adapters_tile_and_generate_the_untiled
     assert tokens["1"] == tokens["0"]
 
 
-@pytest.mark.skipif(not TRITON_HERE, reason="runs in a fresh interpreter (test_in_a_fresh_interpreter)")
-def test_decode_steps_that_tile_take_the_down_shrink_in_silu_and_generate_the_same_tokens(tiny_llama, tmp_path,
-                                                                                         monkeypatch):
-    """`LORASERVE_LORA_SILU_SHRINK=1`: the tiled SiLU·up of a decode step takes down's shrink, so that step runs
-    three per-token shrinks a layer instead of four, and the tokens are those of down's own shrink."""
-    from kernels import fused_lora_tiles_triton, lora_triton
-
-    monkeypatch.setenv("LORASERVE_FUSED_BACKEND", "triton")
-    monkeypatch.setenv("LORASERVE_LORA_BACKEND", "triton")
-    monkeypatch.delenv(lora_tuning.DECODE_TILES_ENV, raising=False)
-    adapters = _adapters(tiny_llama, tmp_path)
-    silu = record_calls(monkeypatch, fused_lora_tiles_triton, "_silu_and_mul_tiles_kernel")
-    shrinks = record_calls(monkeypatch, lora_triton, "_shrink_bgmv_kernel")
-    tokens, per_token_shrinks = {}, {}
-    for switch in ("1", "0"):
-        monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, switch)
-        llm = _eager_llm(tiny_llama, adapters)
-        silu.clear()
-        shrinks.clear()
-        tokens[switch] = _greedy_tokens(llm, adapters)
-        decode_silu = [call for call in silu if lora_tuning.choose_path(call.args[0].shape[0]) == "bgmv"]
-        assert decode_silu and all(call.kwargs["SHRINK"] == (switch == "1") for call in decode_silu)
-        per_token_shrinks[switch] = len(shrinks)
-    assert tokens["1"] == tokens["0"]
-    assert per_token_shrinks["1"] == per_token_shrinks["0"] * 3 // 4
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("silu_shrink", ["0", "1"], ids=["down-shrinks-itself", "down-shrink-in-silu"])
-def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run(tiny_llama, tmp_path, monkeypatch,
-                                                                                 silu_shrink):
-    """The tiled graph of the 32-row bucket, captured with padding slots (and with down's shrink in its SiLU·up or
-    beside down's matmul), replayed for two batches whose rows use the adapters in other orders, gives the tokens of
-    eager steps on the per-token fold."""
+def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run(tiny_llama, tmp_path, monkeypatch):
+    """The tiled graph of the 32-row bucket, captured with padding slots, replayed for two batches whose rows use
+    the adapters in other orders, gives the tokens of eager steps on the per-token fold."""
     adapters = _adapters(tiny_llama, tmp_path)
     kwargs = dict(device="cuda", dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=8)
     monkeypatch.delenv(lora_tuning.DECODE_TILES_ENV, raising=False)
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, silu_shrink)  # read as the graphs are captured
     graphs, eager = LLM(str(tiny_llama), **kwargs), LLM(str(tiny_llama), enforce_eager=True, **kwargs)
     for llm in (graphs, eager):
         for lora in adapters:
@@ -185,4 +147,4 @@ def test_tiled_decode_graphs_replay_other_steps_slots_as_untiled_eager_steps_run
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
 def test_in_a_fresh_interpreter():
-    assert "3 passed" in run_pytest_interpreted(Path(__file__), "not fresh_interpreter and not graph")
+    assert "2 passed" in run_pytest_interpreted(Path(__file__), "not fresh_interpreter and not graph")

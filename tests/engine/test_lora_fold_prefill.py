@@ -1,6 +1,5 @@
 """A prefill step on the LoRA segment path with the expands folded into the fused ops' tiled variants decodes
-exactly as with the expands run on their own (`LORASERVE_LORA_FOLD=0`), on the Triton kernels; and with the down
-projection's shrink taken by the tiled SiLU·up (`LORASERVE_LORA_SILU_SHRINK=1`) as with its own shrink.
+exactly as with the expands run on their own (`LORASERVE_LORA_FOLD=0`), on the Triton kernels.
 
 Without CUDA the Triton kernels run under the interpreter, which Triton picks when it is imported: the test
 runs in a fresh interpreter process unless this one can run them already.
@@ -37,20 +36,16 @@ def _greedy_tokens(model_dir: Path, loras: list[LoRARequest | None]) -> list[lis
     return [output.outputs[0].token_ids for output in outputs]
 
 
-def _loras(model_dir: Path, root: Path) -> list[LoRARequest | None]:
-    """The prompts' adapters: two of rank 8, and the base model for one prompt."""
-    adapters = [LoRARequest(f"a{seed}", seed, str(make_peft_adapter(model_dir, root / f"a{seed}", r=8, seed=seed)))
-                for seed in (1, 2)]
-    return [adapters[0], None, adapters[1], adapters[0]]
-
-
 @pytest.mark.skipif(not TRITON_HERE, reason="runs in a fresh interpreter (the next test)")
 def test_a_folded_prefill_on_the_segment_path_decodes_as_the_unfolded_one(tiny_llama, tmp_path, monkeypatch):
     from kernels import fused_lora_tiles_triton
 
     monkeypatch.setenv("LORASERVE_FUSED_BACKEND", "triton")
     monkeypatch.setenv("LORASERVE_LORA_BACKEND", "triton")
-    loras = _loras(tiny_llama, tmp_path)
+    adapters = [LoRARequest(f"a{seed}", seed, str(make_peft_adapter(tiny_llama, tmp_path / f"a{seed}", r=8,
+                                                                     seed=seed)))
+                for seed in (1, 2)]
+    loras = [adapters[0], None, adapters[1], adapters[0]]
     launches = record_calls(monkeypatch, fused_lora_tiles_triton, "_silu_and_mul_tiles_kernel",
                             "_add_rms_norm_tiles_kernel", "_rotary_tiles_kernel")
     monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "1")
@@ -63,29 +58,6 @@ def test_a_folded_prefill_on_the_segment_path_decodes_as_the_unfolded_one(tiny_l
     assert not launches
 
 
-@pytest.mark.skipif(not TRITON_HERE, reason="runs in a fresh interpreter (the next test)")
-def test_a_prefill_on_the_segment_path_with_the_down_shrink_in_silu_decodes_as_without(tiny_llama, tmp_path,
-                                                                                      monkeypatch):
-    from kernels import fused_lora_tiles_triton, lora_triton
-
-    monkeypatch.setenv("LORASERVE_FUSED_BACKEND", "triton")
-    monkeypatch.setenv("LORASERVE_LORA_BACKEND", "triton")
-    loras = _loras(tiny_llama, tmp_path)
-    silu = record_calls(monkeypatch, fused_lora_tiles_triton, "_silu_and_mul_tiles_kernel")
-    shrinks = record_calls(monkeypatch, lora_triton, "_shrink_sgmv_kernel")
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "1")
-    fused = _greedy_tokens(tiny_llama, loras)
-    assert silu and all(call.kwargs["SHRINK"] for call in silu), "the segment steps' SiLU·up took down's shrink"
-    fused_shrinks = len(shrinks)
-    silu.clear()
-    shrinks.clear()
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "0")
-    assert _greedy_tokens(tiny_llama, loras) == fused
-    assert not any(call.kwargs["SHRINK"] for call in silu)
-    # qkv, o, gate/up and down shrink on their own: a quarter fewer launches with down's in SiLU·up
-    assert fused_shrinks == len(shrinks) * 3 // 4
-
-
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton kernels ran in this process")
 def test_in_a_fresh_interpreter():
-    assert "2 passed" in run_pytest_interpreted(Path(__file__), "segment_path")
+    assert "1 passed" in run_pytest_interpreted(Path(__file__), "segment_path")

@@ -11,7 +11,8 @@ token count gets.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+import random
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -32,19 +33,41 @@ from tests.kernels.lora_cases import (
     slots_tensor,
     within_a_rounding,
 )
-from tests.kernels.tile_cases import (
-    DEVICE,
-    INTERMEDIATE,
-    PATTERNS,
-    Launch,
-    gate_up_input,
-    launch_config,
-    shuffled,
-    tile_launches,
-    walk_launches,
-)
 
 pytestmark = skip_without_triton()
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _shuffled(slots: list[int]) -> list[int]:
+    random.Random(0).shuffle(slots)
+    return slots
+
+
+# name -> per-token slots; tiles are 16 or 32 tokens
+PATTERNS: dict[str, list[int]] = {
+    # slot 2 spans three 16-token tiles, slots 1 and 3 have no tokens, base rows between
+    "unsorted_mixed": _shuffled([2] * 37 + [0] * 5 + [4] + [-1] * 9),
+    "all_base": [-1] * 20,
+    "one_slot": [3] * 33,
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Tile height of the metadata, the rank, and the launch config (None: the module's default)."""
+
+    block_m: int
+    rank: int
+    config: object = None
+
+
+def _launches():
+    from kernels.fused_lora_tiles_triton import LoRATileConfig
+
+    small = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=16)
+    return [pytest.param(Launch(16, 12), id="tile16-default"),
+            pytest.param(Launch(32, 20, small), id="tile32-in-parts-rank20")]
 
 
 @pytest.fixture(params=PATTERNS.values(), ids=PATTERNS.keys())
@@ -52,9 +75,13 @@ def slots(request) -> list[int]:
     return request.param
 
 
-@pytest.fixture(params=tile_launches())
+@pytest.fixture(params=_launches())
 def launch(request) -> Launch:
     return request.param
+
+
+def _config(launch: Launch) -> dict:
+    return {} if launch.config is None else {"config": launch.config}
 
 
 def _expanded(y: torch.Tensor, delta: LoRADelta) -> torch.Tensor:
@@ -84,27 +111,48 @@ def _random_delta(slots: list[int], widths: list[int], rank: int, block_m: int) 
 
 # silu_and_mul
 
-@pytest.mark.parametrize("launch", walk_launches())
+INTERMEDIATE = 80
+
+
+def _gate_up(slots: list[int], dtype: torch.dtype) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(len(slots), 2 * INTERMEDIATE, generator=gen) * 3).to(DEVICE, dtype)
+
+
+def _walk_launches():
+    """The ops' launches, and 32-row tiles taken whole, so a program walks two 16-row steps (silu_and_mul,
+    rotary_and_write_kv): on B loaded once (rank 12, one rank block), on B read each step (rank 20 in blocks of
+    16), and with the default launch at rank 20 (the ops' rank block of 64 then covers it, so B is loaded once with
+    its last 12 rank columns masked)."""
+    from kernels.fused_lora_tiles_triton import LoRATileConfig
+
+    whole = LoRATileConfig(chunk=16, block_r=16, num_warps=2, rows=0)
+    return _launches() + [pytest.param(Launch(32, 12, whole), id="tile32-whole-rank12"),
+                          pytest.param(Launch(32, 20, whole), id="tile32-whole-rank20"),
+                          pytest.param(Launch(32, 20), id="tile32-default-rank20")]
+
+
+@pytest.mark.parametrize("launch", _walk_launches())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_silu_and_mul_equals_expand_then_op(slots, launch, dtype):
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_triton
 
-    gate_up = gate_up_input(slots, dtype)
+    gate_up = _gate_up(slots, dtype)
     lora = exact_delta(slots, [INTERMEDIATE] * 2, launch.rank, dtype, seed=4, device=DEVICE, block_m=launch.block_m)
-    got = tiles.silu_and_mul(gate_up, lora, out=_poisoned(len(slots), INTERMEDIATE, dtype=dtype), **launch_config(launch))
+    got = tiles.silu_and_mul(gate_up, lora, out=_poisoned(len(slots), INTERMEDIATE, dtype=dtype), **_config(launch))
     same_op(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)))
 
 
-@pytest.mark.parametrize("launch", walk_launches())
+@pytest.mark.parametrize("launch", _walk_launches())
 def test_tiled_silu_and_mul_matches_float64(launch):
     from kernels import fused_lora_tiles_triton as tiles
 
     slots = PATTERNS["unsorted_mixed"]
-    gate_up = gate_up_input(slots, torch.float32)
+    gate_up = _gate_up(slots, torch.float32)
     lora = _random_delta(slots, [INTERMEDIATE] * 2, launch.rank, launch.block_m)
     gate, up = _float64_expanded(gate_up, lora, slots).chunk(2, dim=-1)
-    got = tiles.silu_and_mul(gate_up, lora, **launch_config(launch))
+    got = tiles.silu_and_mul(gate_up, lora, **_config(launch))
     torch.testing.assert_close(got.double(), torch.nn.functional.silu(gate) * up, rtol=1e-5, atol=1e-5)
 
 
@@ -112,7 +160,7 @@ def test_tiled_silu_and_mul_leaves_gate_up_unchanged():
     from kernels import fused_lora_tiles_triton as tiles
 
     slots = PATTERNS["unsorted_mixed"]
-    gate_up = gate_up_input(slots, torch.bfloat16)
+    gate_up = _gate_up(slots, torch.bfloat16)
     before = gate_up.clone()
     tiles.silu_and_mul(gate_up, exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE))
     assert torch.equal(gate_up, before)
@@ -140,7 +188,7 @@ def test_tiled_add_rms_norm_equals_expand_then_norm(slots, launch, dtype, with_r
     x, residual, weight = _norm_inputs(slots, dtype, with_residual)
     lora = exact_delta(slots, [WIDTH], launch.rank, dtype, seed=2, device=DEVICE, block_m=launch.block_m)
     poisoned = (_poisoned(len(slots), WIDTH, dtype=dtype), _poisoned(len(slots), WIDTH, dtype=dtype))
-    out, hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, out=poisoned, **launch_config(launch))
+    out, hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, out=poisoned, **_config(launch))
     want_out, want_hidden = fused_triton.add_rms_norm(_expanded(x, lora), residual, weight, EPS)
     same_op(hidden, want_hidden)
     within_a_rounding(out, want_out)
@@ -155,7 +203,7 @@ def test_tiled_add_rms_norm_matches_float64(launch, with_residual):
     lora = _random_delta(slots, [WIDTH], launch.rank, launch.block_m)
     hidden = _float64_expanded(x, lora, slots) + (0 if residual is None else residual.double())
     normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
-    got_out, got_hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, **launch_config(launch))
+    got_out, got_hidden = tiles.add_rms_norm(x, residual, weight, EPS, lora, **_config(launch))
     torch.testing.assert_close(got_hidden.double(), hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got_out.double(), normed, rtol=1e-5, atol=1e-5)
 
@@ -173,7 +221,7 @@ def test_tiled_add_rms_norm_leaves_x_unchanged():
 
 # rotary_and_write_kv
 
-@pytest.mark.parametrize("launch", walk_launches())
+@pytest.mark.parametrize("launch", _walk_launches())
 @pytest.mark.parametrize("shape", HEAD_SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, dtype):
@@ -184,14 +232,14 @@ def test_tiled_rotary_and_write_kv_equals_expand_then_op(slots, launch, shape, d
     got = RotaryCase.random(shape, len(slots), dtype, DEVICE)
     want = RotaryCase.random(shape, len(slots), dtype, DEVICE)
     lora = exact_delta(slots, got.widths, launch.rank, dtype, seed=6, device=DEVICE, block_m=launch.block_m)
-    got.run(tiles.rotary_and_write_kv, lora, **launch_config(launch))
+    got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
     want.qkv.copy_(_expanded(want.qkv, lora))
     want.run(fused_triton.rotary_and_write_kv)
     for a, b in zip(got.outputs(), want.outputs()):
         same_op(a, b)
 
 
-@pytest.mark.parametrize("launch", walk_launches())
+@pytest.mark.parametrize("launch", _walk_launches())
 def test_tiled_rotary_and_write_kv_matches_float64(launch):
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_torch
@@ -200,7 +248,7 @@ def test_tiled_rotary_and_write_kv_matches_float64(launch):
     got = RotaryCase.random((6, 3, 24), len(slots), torch.float32, DEVICE)
     want = got.to(torch.float64)
     lora = _random_delta(slots, got.widths, launch.rank, launch.block_m)
-    got.run(tiles.rotary_and_write_kv, lora, **launch_config(launch))
+    got.run(tiles.rotary_and_write_kv, lora, **_config(launch))
     want.qkv.copy_(_float64_expanded(want.qkv, lora, slots))
     want.run(fused_torch.rotary_and_write_kv)
     for a, b in zip(got.outputs(), want.outputs()):
@@ -218,7 +266,7 @@ def test_steps_of_the_segment_path_take_the_tiled_variants(num_tokens, monkeypat
     kernels = ["_silu_and_mul_tiles_kernel", "_add_rms_norm_tiles_kernel", "_rotary_tiles_kernel"]
     launches = record_calls(monkeypatch, tiles, *kernels)
     slots = [t % (NUM_SLOTS + 1) - 1 for t in range(num_tokens)]
-    gate_up = gate_up_input(slots, torch.float32)[:, :32]
+    gate_up = _gate_up(slots, torch.float32)[:, :32]
     lora = exact_delta(slots, [16, 16], 8, torch.float32, seed=4, device=DEVICE)
     got = fused_triton.silu_and_mul(gate_up, lora)
     same_op(got, fused_triton.silu_and_mul(_expanded(gate_up, lora)))
@@ -245,7 +293,7 @@ def test_a_delta_marked_tiled_takes_the_tiled_variant_on_a_per_token_step(monkey
     launches = record_calls(monkeypatch, tiles, "_silu_and_mul_tiles_kernel")
     slots = PATTERNS["unsorted_mixed"]
     assert lora_tuning.choose_path(len(slots)) == "bgmv"
-    gate_up = gate_up_input(slots, torch.float32)
+    gate_up = _gate_up(slots, torch.float32)
     lora = exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.float32, seed=4, device=DEVICE)
     got = fused_triton.silu_and_mul(gate_up, replace(lora, tiled=True))
     assert [call.name for call in launches] == ["_silu_and_mul_tiles_kernel"]
@@ -259,7 +307,7 @@ def test_a_captured_tiled_silu_and_mul_of_a_per_token_step_replays_with_the_next
     from kernels import fused_triton
 
     slots = PATTERNS["unsorted_mixed"]
-    gate_up = gate_up_input(slots, torch.bfloat16)
+    gate_up = _gate_up(slots, torch.bfloat16)
     lora = replace(exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE), tiled=True)
     replays_the_next_step(lambda: (fused_triton.silu_and_mul(gate_up, lora),), [lora],
                           slots_tensor(list(reversed(slots)), DEVICE))
@@ -273,7 +321,7 @@ def test_captured_tiled_ops_replay_with_the_next_steps_slots_and_h():
 
     slots = PATTERNS["unsorted_mixed"] * 3  # 156 tokens: the segment path
     x, residual, weight = _norm_inputs(slots, torch.bfloat16, True)
-    gate_up = gate_up_input(slots, torch.bfloat16)
+    gate_up = _gate_up(slots, torch.bfloat16)
     norm_lora = exact_delta(slots, [WIDTH], 12, torch.bfloat16, seed=2, device=DEVICE)
     silu_lora = exact_delta(slots, [INTERMEDIATE] * 2, 12, torch.bfloat16, seed=4, device=DEVICE)
     silu_lora = LoRADelta(silu_lora.h, silu_lora.b_slices, norm_lora.meta)  # one metadata per step
@@ -315,7 +363,7 @@ def test_tiled_folds_at_llama3_widths_equal_expand_then_op_within_a_rounding(ran
     from kernels import fused_lora_tiles_triton as tiles
     from kernels import fused_triton
 
-    slots = shuffled([t % (NUM_SLOTS + 1) - 1 for t in range(300)])
+    slots = _shuffled([t % (NUM_SLOTS + 1) - 1 for t in range(300)])
     gate_up = (torch.randn(len(slots), 2 * LLAMA3_INTERMEDIATE, generator=torch.Generator().manual_seed(3))
                .to(DEVICE, torch.bfloat16))
     lora = _bf16_delta(slots, [LLAMA3_INTERMEDIATE] * 2, rank)

@@ -46,39 +46,6 @@ def test_no_op_folds_when_the_fold_is_off(monkeypatch):
     assert lora_tuning.folded_ops("bgmv") == lora_tuning.folded_ops("sgmv") == frozenset()
 
 
-def test_the_down_shrink_stays_out_of_silu_by_default(monkeypatch):
-    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
-    monkeypatch.delenv(lora_tuning.SILU_SHRINK_ENV, raising=False)
-    assert lora_tuning.folded_shrinks("sgmv", 16) == ({"silu_and_mul"} if lora_tuning.SILU_SHRINK else frozenset())
-
-
-def test_switched_on_silu_takes_the_down_shrink_where_it_runs_tiled(monkeypatch):
-    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "1")
-    assert lora_tuning.folded_shrinks("sgmv", 16) == {"silu_and_mul"}
-    assert lora_tuning.folded_shrinks("bgmv", 16, frozenset({"silu_and_mul"})) == {"silu_and_mul"}
-    assert lora_tuning.folded_shrinks("bgmv", 16) == frozenset()
-
-
-def test_silu_takes_no_shrink_above_its_widest_rank(monkeypatch):
-    monkeypatch.delenv(lora_tuning.FOLD_EXPAND_ENV, raising=False)
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "1")
-    assert lora_tuning.folded_shrinks("sgmv", lora_tuning.SILU_SHRINK_MAX_RANK) == {"silu_and_mul"}
-    assert lora_tuning.folded_shrinks("sgmv", lora_tuning.SILU_SHRINK_MAX_RANK + 16) == frozenset()
-
-
-def test_silu_takes_no_shrink_when_it_folds_no_expand(monkeypatch):
-    monkeypatch.setenv(lora_tuning.FOLD_EXPAND_ENV, "0")
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "1")
-    assert lora_tuning.folded_shrinks("sgmv", 16) == frozenset()
-
-
-def test_a_silu_shrink_switch_of_another_value_is_refused(monkeypatch):
-    monkeypatch.setenv(lora_tuning.SILU_SHRINK_ENV, "yes")
-    with pytest.raises(ValueError, match=lora_tuning.SILU_SHRINK_ENV):
-        lora_tuning.folded_shrinks("sgmv", 16)
-
-
 @pytest.fixture
 def segments_on(monkeypatch):
     monkeypatch.delenv(lora_tuning.DECODE_SEGMENTS_ENV, raising=False)
