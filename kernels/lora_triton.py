@@ -9,6 +9,9 @@ segments where the step chose them, `lora_tuning.step_path`):
 Multi-slice forms take up to three weight stacks in one launch (q/k/v, gate/up). Grids depend
 on shapes only and every launch reads its indices from device tensors, so the calls can be
 captured in a CUDA graph. h is float32; accumulation is float32.
+Split-K shrinks add their partial sums into h with relaxed atomics: nothing reads h before the launch ends, so
+the adds need no ordering (H100, the 16-row SGMV shrinks of a 512-row decode step over 64 adapters: 61.2 -> 52.0 us
+a layer against the default acq_rel).
 Slots are padded to the stacks' rank R: a program reads its slot's A rows below the slot's own rank only
 (`LoRAMetadata.token_rank`, `tile_rank`, loaded beside the slot), and its B columns (and h's) up to that rank rounded
 up to whole vectors (`rank_columns`), so the padding costs no memory traffic; the shrink leaves h zero past the rank.
@@ -85,7 +88,7 @@ def _shrink_bgmv_kernel(
     if SPLIT_K == 1:
         tl.store(h_ptrs, hv, mask=r_mask)
     else:
-        tl.atomic_add(h_ptrs, hv, mask=r_mask)
+        tl.atomic_add(h_ptrs, hv, mask=r_mask, sem="relaxed")
 
 
 @triton.jit
@@ -154,11 +157,11 @@ def _shrink_sgmv_kernel(
         if NUM_SLICES > 2:
             tl.store(h_ptrs + 2 * stride_hn, acc2, mask=h_mask)
     else:
-        tl.atomic_add(h_ptrs, acc0, mask=h_mask)
+        tl.atomic_add(h_ptrs, acc0, mask=h_mask, sem="relaxed")
         if NUM_SLICES > 1:
-            tl.atomic_add(h_ptrs + stride_hn, acc1, mask=h_mask)
+            tl.atomic_add(h_ptrs + stride_hn, acc1, mask=h_mask, sem="relaxed")
         if NUM_SLICES > 2:
-            tl.atomic_add(h_ptrs + 2 * stride_hn, acc2, mask=h_mask)
+            tl.atomic_add(h_ptrs + 2 * stride_hn, acc2, mask=h_mask, sem="relaxed")
 
 
 @triton.jit
