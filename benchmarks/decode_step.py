@@ -60,9 +60,14 @@ def main(argv: list[str] | None = None) -> dict:
                         help="decode graphs run the LoRA kernels in segments from this many rows at every rank, when the "
                              "rows are spread over many adapters and when they share few (lora_tuning.SEGMENTS_FROM "
                              "otherwise; LORASERVE_LORA_DECODE_SEGMENTS=0 turns them off)")
+    parser.add_argument("--sgmv-min-tokens", type=int,
+                        help="decode graphs of this many rows and more take the segment path by their size "
+                             "(lora_tuning.SGMV_MIN_TOKENS otherwise); below it, --segments-from still decides")
     args = parser.parse_args(argv)
     if bool(args.switch) != bool(args.values):
         parser.error("--switch and --values go together")
+    if args.sgmv_min_tokens is not None:
+        lora_tuning.SGMV_MIN_TOKENS = args.sgmv_min_tokens
     if args.segments_from is not None:
         lora_tuning.SEGMENTS_FROM = dict.fromkeys(lora_tuning.SEGMENTS_FROM, lora_tuning.SegmentsFrom(*args.segments_from))
     args.output_len, args.max_num_seqs, args.max_batched_tokens = 128, max(args.batches), 8192
@@ -77,6 +82,7 @@ def main(argv: list[str] | None = None) -> dict:
     bandwidth = measure_bandwidth("cuda")
     results: dict = {"gpu": gpu_identity(), "bandwidth_tbs": bandwidth / 1e12,
                      "decode_tiles": lora_tuning.decode_tiles(),
+                     "sgmv_min_tokens": lora_tuning.SGMV_MIN_TOKENS,
                      "segments_from": {rank: vars(start) for rank, start in lora_tuning.SEGMENTS_FROM.items()},
                      "adapter_rank": args.adapter_rank, "max_lora_rank": args.max_lora_rank, "rows": []}
 
