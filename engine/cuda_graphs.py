@@ -129,6 +129,22 @@ def graph_key(buckets: list[int], num_lora_slots: int, batch: int, lora_slots: l
     return shared if shared != spread and lora_tuning.shares_few_adapters(lora_slots) else spread
 
 
+def graph_path(key: GraphKey) -> str:
+    """The path a LoRA graph's kernels take: in segments where its key says, else by its bucket's size. Not by its
+    metadata's token count, which is 0 until the capture prepares the buffers."""
+    return "sgmv" if key.segments else lora_tuning.choose_path(key.bucket)
+
+
+def graph_lora_step(key: GraphKey, meta: kernels.LoRAMetadata, side_stream: torch.cuda.Stream | None) -> LoRAStep:
+    """The adapters' part of the step a LoRA graph captures, over its bucket's metadata buffers (`meta`): on the path
+    of `graph_path`, with the folds of that path (`lora_tuning.folded_ops`), and with the shrinks beside the base
+    matmul on `side_stream` only on the per-token path: H200, Llama-3-8B, 64 adapters, batch 64 (BGMV) 7.59 against
+    7.85 ms a step; batch 128 in segments (SGMV, the path 128 took then) 10.93 against 10.79."""
+    path = graph_path(key)
+    return LoRAStep(meta.in_segments() if key.segments else meta, side_stream if path == "bgmv" else None,
+                    fold_into=lora_tuning.folded_ops(path), tiled_folds=key.tiled_folds, rank_width=key.rank_width)
+
+
 class StagedBlockTables:
     """Block tables padded with a fill block, kept in a host array across steps: a step rewrites only
     the rows whose table changed (a sequence's table grows one block every block_size tokens), not
@@ -198,16 +214,7 @@ class DecodeGraphs:
             context_lens=self.context_lens[:size], query_lens=[1] * size, context_lens_list=[1] * size,
             num_decode=size,
         )
-        lora = None
-        if key.with_lora:
-            meta = self.lora_meta[size].in_segments() if key.segments else self.lora_meta[size]
-            # shrinks beside the base matmul only on the per-token path: H200, Llama-3-8B, 64 adapters,
-            # batch 64 (BGMV) 7.59 against 7.85 ms a step; batch 128 in segments (SGMV, the path 128 took
-            # then) 10.93 against 10.79
-            per_token = meta.path == "bgmv"
-            lora = LoRAStep(meta, self.lora_side_stream if per_token else None,
-                            fold_into=lora_tuning.folded_ops(meta.path), tiled_folds=key.tiled_folds,
-                            rank_width=key.rank_width)
+        lora = graph_lora_step(key, self.lora_meta[size], self.lora_side_stream) if key.with_lora else None
         return StepInput(self.input_ids[:size], self.positions[:size], attention, lora)
 
     def _capture_all(self) -> None:
