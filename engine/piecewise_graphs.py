@@ -79,8 +79,11 @@ class PiecewiseGraphs:
             meta = kernels.LoRAMetadata.empty(size, self.num_lora_slots, ids.device)
             # in segments where every step of the bucket would take them, however its rows spread over adapters
             paths = {lora_tuning.path_for(size, self.lora_slot_ranks.max_rank, shared) for shared in (False, True)}
-            self.lora_meta[size] = meta.in_segments() if paths == {"sgmv"} else meta
-            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(self.lora_meta[size].path))
+            segments = paths == {"sgmv"}
+            self.lora_meta[size] = meta.in_segments() if segments else meta
+            # the path by the bucket's size, not by the empty buffers' token count (0 until the capture prepares them)
+            path = "sgmv" if segments else lora_tuning.choose_path(size)
+            lora = LoRAStep(self.lora_meta[size], fold_into=lora_tuning.folded_ops(path))
         # the pieces read only the KV slots; attention, which reads the rest, runs outside them
         attention = AttentionMetadata(slot_mapping=slots, block_tables=slots.new_empty(0, 1),
                                       context_lens=slots.new_empty(0), query_lens=[], context_lens_list=[],
